@@ -1,0 +1,140 @@
+//! The admin listener (axum): `/metrics`, `/healthz`, `/readyz`, `/admin/config`,
+//! `/admin/limits/{route}/{limit}?key=..`, `POST /admin/reload`.
+//!
+//! It runs on its own address (default 127.0.0.1:9090), never on the proxy port, so exposing the
+//! proxy does not expose limiter state or reloads. `/admin/*` takes an optional bearer token
+//! (`server.admin_token`); `/metrics` and the probes stay open for scrapers and kubelets.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::app::Shared;
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    let admin = Router::new()
+        .route("/admin/config", get(config))
+        .route("/admin/limits/{route}/{limit}", get(limit_state))
+        .route("/admin/reload", post(reload))
+        .route_layer(middleware::from_fn_with_state(
+            shared.clone(),
+            require_token,
+        ));
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .merge(admin)
+        .with_state(shared)
+}
+
+async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let rt = shared.proxy.runtime.load();
+    if let Some(token) = &rt.config.server.admin_token {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
+        if !ok {
+            return (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                Json(json!({"error": "unauthorized"})),
+            )
+                .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let body = shared.proxy.metrics.encode();
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    let (ready, detail) = shared.readiness().await;
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(detail)).into_response()
+}
+
+async fn config(State(shared): State<Arc<Shared>>) -> Response {
+    let rt = shared.proxy.runtime.load();
+    Json(&*rt.config).into_response()
+}
+
+async fn reload(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.reload().await {
+        Ok(()) => Json(json!({"result": "success"})).into_response(),
+        Err(e) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Json(json!({"result": "error", "error": e.to_string()})),
+        )
+            .into_response(),
+    }
+}
+
+/// The state of one key. `key` is the limit's key as the gateway builds it: its parts' values
+/// joined with `|` (for `key: [ip]`, the client address).
+async fn limit_state(
+    State(shared): State<Arc<Shared>>,
+    Path((route, limit)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let rt = shared.proxy.runtime.load_full();
+    let Some(r) = rt.routes.iter().find(|r| *r.name == *route) else {
+        return not_found("no such route");
+    };
+    let Some(l) = r.limits.limits.iter().find(|l| *l.name == *limit) else {
+        return not_found("no such limit on this route");
+    };
+    let Some(key) = q.get("key") else {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "missing ?key="})),
+        )
+            .into_response();
+    };
+    match shared.peek(l, key.as_bytes()).await {
+        Ok(s) => Json(json!({
+            "route": route,
+            "limit": limit,
+            "key": key,
+            "scope": l.scope,
+            "algorithm": l.config.algorithm,
+            "limit_count": l.config.rate.count,
+            "remaining": s.remaining,
+            "reset_after_ms": s.reset_after.div_ceil(1000),
+        }))
+        .into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": e}))).into_response(),
+    }
+}
+
+fn not_found(msg: &str) -> Response {
+    (StatusCode::NOT_FOUND, Json(json!({"error": msg}))).into_response()
+}

@@ -1,0 +1,236 @@
+//! Wiring: builds the pipeline from a config and runs the proxy listener, the admin listener
+//! and the background tasks (store sweeper) until shutdown, then drains.
+//!
+//! The library takes its listeners' addresses and clock from the caller, so tests bind port 0
+//! and run the whole gateway in process.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::net::TcpListener;
+use tokio::sync::Mutex;
+
+use crate::config::{self, Config, ConfigError};
+use crate::limit::Limit;
+use crate::limit::algorithm::Snapshot;
+use crate::limit::clock::{SharedClock, TokioClock};
+use crate::metrics::Metrics;
+use crate::proxy::{Proxy, forward};
+use crate::runtime::Runtime;
+
+/// How often idle keys are swept out of the local stores.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// Options from the command line that override the file.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// The file to reload from (`None`: the config was given in memory; reload is refused).
+    pub config_path: Option<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub admin: Option<SocketAddr>,
+}
+
+/// State shared by the proxy, the admin API and the background tasks.
+pub struct Shared {
+    pub proxy: Arc<Proxy>,
+    pub options: Options,
+    /// Serialises reloads (file watcher, SIGHUP and the admin API may race).
+    reload_lock: Mutex<()>,
+}
+
+impl Shared {
+    /// Reads the file again, builds a new runtime aside and swaps it in; on error the running
+    /// config stays and the failure is counted.
+    pub async fn reload(&self) -> Result<(), ConfigError> {
+        let _guard = self.reload_lock.lock().await;
+        let Some(path) = &self.options.config_path else {
+            return Err(ConfigError {
+                path: PathBuf::from("<memory>"),
+                line: 0,
+                column: 0,
+                message: "no config file to reload from".into(),
+            });
+        };
+        let result = config::load(path);
+        match result {
+            Ok(cfg) => {
+                let old = self.proxy.runtime.load_full();
+                let rt = Runtime::build(cfg, &self.proxy.metrics, Some(&old));
+                self.proxy.runtime.store(Arc::new(rt));
+                self.proxy.metrics.reload(true);
+                tracing::info!(path = %path.display(), "config reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                self.proxy.metrics.reload(false);
+                tracing::error!(error = %e, "config reload refused; the running config stays");
+                Err(e)
+            }
+        }
+    }
+
+    /// Ready when a config is loaded (always, once running) and the limiter can decide.
+    pub async fn readiness(&self) -> (bool, serde_json::Value) {
+        let rt = self.proxy.runtime.load();
+        (
+            true,
+            serde_json::json!({"ready": true, "routes": rt.routes.len(), "redis": "not configured"}),
+        )
+    }
+
+    /// One key's state, from the store that holds it.
+    pub async fn peek(&self, limit: &Limit, key: &[u8]) -> Result<Snapshot, String> {
+        Ok(limit
+            .store
+            .peek(&limit.algorithm, key, self.proxy.clock.now()))
+    }
+}
+
+pub struct App {
+    shared: Arc<Shared>,
+    proxy_listener: TcpListener,
+    admin_listener: TcpListener,
+}
+
+impl App {
+    /// Loads the file named in `options` and binds.
+    pub async fn from_file(options: Options) -> Result<Self, AppError> {
+        let path = options
+            .config_path
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("routes.yaml"));
+        let cfg = config::load(&path)?;
+        let options = Options {
+            config_path: Some(path),
+            ..options
+        };
+        Self::bind(cfg, options, Arc::new(TokioClock::new())).await
+    }
+
+    /// Binds both listeners (addresses from the options, else the config) and builds the
+    /// pipeline. Nothing is served until [`App::run`].
+    pub async fn bind(
+        config: Config,
+        options: Options,
+        clock: SharedClock,
+    ) -> Result<Self, AppError> {
+        let listen = options.listen.unwrap_or(config.server.listen);
+        let admin = options.admin.unwrap_or(config.server.admin);
+        let proxy_listener = TcpListener::bind(listen)
+            .await
+            .map_err(|source| AppError::Bind {
+                addr: listen,
+                source,
+            })?;
+        let admin_listener = TcpListener::bind(admin)
+            .await
+            .map_err(|source| AppError::Bind {
+                addr: admin,
+                source,
+            })?;
+        let metrics = Arc::new(Metrics::new());
+        let runtime = Runtime::build(config, &metrics, None);
+        let proxy = Arc::new(Proxy {
+            runtime: ArcSwap::from_pointee(runtime),
+            metrics,
+            clock,
+            client: forward::client(),
+            proto: "http",
+        });
+        Ok(Self {
+            shared: Arc::new(Shared {
+                proxy,
+                options,
+                reload_lock: Mutex::new(()),
+            }),
+            proxy_listener,
+            admin_listener,
+        })
+    }
+
+    pub fn proxy_addr(&self) -> SocketAddr {
+        self.proxy_listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting and drains in-flight requests for
+    /// up to the configured grace period.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) {
+        let shared = self.shared;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
+        let admin = {
+            let router = crate::admin::router(shared.clone());
+            let mut rx = stop_rx.clone();
+            tokio::spawn(async move {
+                let stop = async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                };
+                if let Err(e) = axum::serve(self.admin_listener, router)
+                    .with_graceful_shutdown(stop)
+                    .await
+                {
+                    tracing::error!(error = %e, "admin listener failed");
+                }
+            })
+        };
+        let grace = shared.proxy.runtime.load().config.server.grace_period;
+        let left = crate::http::serve(
+            self.proxy_listener,
+            shared.proxy.clone(),
+            async move {
+                shutdown.await;
+                let _ = stop_tx.send(true);
+            },
+            grace,
+        )
+        .await;
+        if left > 0 {
+            tracing::warn!(connections = left, "exiting with connections still open");
+        }
+        sweeper.abort();
+        let _ = tokio::time::timeout(Duration::from_secs(1), admin).await;
+    }
+}
+
+/// Drops keys whose state is back to full, so memory follows active keys only.
+async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let rt = shared.proxy.runtime.load_full();
+        let now = shared.proxy.clock.now();
+        let kept: usize = rt.stores().map(|s| s.sweep(now)).sum();
+        shared.proxy.metrics.set_local_keys(kept);
+    }
+}

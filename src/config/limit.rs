@@ -1,0 +1,315 @@
+//! One `limits:` entry: defaults and the rules that tie its fields together.
+//!
+//! The cross-field rules exist because each refused combination would run but
+//! not do what it says: a cost no bucket can hold never admits, `delay` on an
+//! algorithm that cannot reserve a future slot cannot wait, `eventual` without
+//! a shared store has nothing to be eventually consistent with.
+
+use std::time::Duration;
+
+use serde_saphyr::Spanned;
+
+use super::rate::{DurationText, parse_rate};
+use super::raw::{RawLimit, Text};
+use super::types::{
+    AlgorithmKind, Consistency, KeyPart, LimitConfig, OnLimit, OnMissing, Rate, Scope,
+};
+use super::validate::{Checked, at, duration_or, items, keyword, name, positive_duration_or};
+use super::{Invalid, Pos};
+
+/// Sliding-window state is computed in Lua, whose numbers are doubles: exact
+/// integers only below 2^53.
+const LUA_EXACT: u64 = 1 << 53;
+
+pub(super) fn limit(raw: Spanned<RawLimit>, has_redis: bool) -> Checked<(LimitConfig, Pos)> {
+    let limit_at = at(&raw);
+    let raw = raw.value;
+    let (name, name_at) = name(raw.name, limit_at, "limit")?;
+
+    let Some(rate_text) = raw.rate else {
+        return Err(Invalid::new(
+            limit_at,
+            format!("limit `{name}` has no `rate`: add e.g. `rate: 100/1m` (COUNT/PERIOD)"),
+        ));
+    };
+    let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(&rate_text), e))?;
+
+    let key = match raw.key {
+        Some(list) => {
+            let list_at = at(&list);
+            let parts = items(list)
+                .iter()
+                .map(key_part)
+                .collect::<Checked<Vec<_>>>()?;
+            if parts.is_empty() {
+                return Err(Invalid::new(
+                    list_at,
+                    "key is empty: list at least one part (use `literal:all` for one bucket shared by every client)",
+                ));
+            }
+            parts
+        }
+        None => vec![KeyPart::Ip],
+    };
+    let on_missing = match &raw.on_missing {
+        Some(t) => keyword(
+            t,
+            "on_missing",
+            &[
+                ("skip", OnMissing::Skip),
+                ("ip", OnMissing::Ip),
+                ("reject", OnMissing::Reject),
+            ],
+        )?,
+        None => OnMissing::Skip,
+    };
+    let algorithm = match &raw.algorithm {
+        Some(t) => keyword(
+            t,
+            "algorithm",
+            &[
+                ("gcra", AlgorithmKind::Gcra),
+                ("token_bucket", AlgorithmKind::Gcra),
+                ("leaky_bucket", AlgorithmKind::Gcra),
+                ("fixed_window", AlgorithmKind::FixedWindow),
+                ("sliding_window", AlgorithmKind::SlidingWindow),
+                ("sliding_log", AlgorithmKind::SlidingLog),
+            ],
+        )?,
+        None => AlgorithmKind::Gcra,
+    };
+    check_precision(algorithm, rate, &rate_text)?;
+
+    let burst = match raw.burst {
+        Some(b) if algorithm != AlgorithmKind::Gcra => {
+            return Err(Invalid::new(
+                at(&b),
+                format!(
+                    "burst applies to gcra only: {algorithm} admits at most the rate's count per period; remove burst or use algorithm: gcra"
+                ),
+            ));
+        }
+        Some(b) if b.value == 0 => {
+            return Err(Invalid::new(
+                at(&b),
+                "burst must be at least 1 (it is how many requests gcra admits at once)",
+            ));
+        }
+        Some(b) => b.value,
+        None => rate.count,
+    };
+
+    let scope = match &raw.scope {
+        Some(t) => {
+            let scope = keyword(
+                t,
+                "scope",
+                &[("local", Scope::Local), ("global", Scope::Global)],
+            )?;
+            if scope == Scope::Global && !has_redis {
+                return Err(Invalid::new(
+                    at(t),
+                    "scope: global needs a `redis` section (global limits are shared through Redis): add one, or use scope: local",
+                ));
+            }
+            scope
+        }
+        None if has_redis => Scope::Global,
+        None => Scope::Local,
+    };
+
+    let cost = match raw.cost {
+        Some(c) => {
+            if c.value == 0 {
+                return Err(Invalid::new(at(&c), "cost must be at least 1"));
+            }
+            let capacity = if algorithm == AlgorithmKind::Gcra {
+                burst
+            } else {
+                rate.count
+            };
+            if c.value > capacity {
+                return Err(Invalid::new(
+                    at(&c),
+                    format!(
+                        "cost {} can never be admitted: the limit admits at most {capacity} at once",
+                        c.value
+                    ),
+                ));
+            }
+            c.value
+        }
+        None => 1,
+    };
+
+    let (on_limit, max_delay) = delay(raw.on_limit.as_ref(), raw.max_delay.as_ref(), algorithm)?;
+
+    let consistency = match &raw.consistency {
+        Some(t) => {
+            let consistency = keyword(
+                t,
+                "consistency",
+                &[
+                    ("strict", Consistency::Strict),
+                    ("eventual", Consistency::Eventual),
+                ],
+            )?;
+            if consistency == Consistency::Eventual {
+                if !matches!(
+                    algorithm,
+                    AlgorithmKind::FixedWindow | AlgorithmKind::SlidingWindow
+                ) {
+                    return Err(Invalid::new(
+                        at(t),
+                        format!(
+                            "consistency: eventual works with fixed_window and sliding_window only, not {algorithm}: their counts can be summed across instances"
+                        ),
+                    ));
+                }
+                if scope != Scope::Global {
+                    return Err(Invalid::new(
+                        at(t),
+                        "eventual needs a shared store: use scope: global (with a `redis` section)",
+                    ));
+                }
+            }
+            consistency
+        }
+        None => Consistency::Strict,
+    };
+    let sync_interval = positive_duration_or(
+        raw.sync_interval.as_ref(),
+        "sync_interval",
+        Duration::from_millis(100),
+    )?;
+
+    let limit = LimitConfig {
+        name,
+        key,
+        on_missing,
+        algorithm,
+        rate,
+        burst,
+        scope,
+        cost,
+        on_limit,
+        max_delay,
+        shadow: raw.shadow.unwrap_or(false),
+        consistency,
+        sync_interval,
+    };
+    Ok((limit, name_at))
+}
+
+/// Rates that are valid arithmetic but beyond what the limiters represent.
+fn check_precision(algorithm: AlgorithmKind, rate: Rate, rate_text: &Text) -> Checked<()> {
+    let micros = rate.period_micros();
+    match algorithm {
+        AlgorithmKind::SlidingWindow => {
+            if rate
+                .count
+                .checked_mul(micros)
+                .is_none_or(|p| p >= LUA_EXACT)
+            {
+                return Err(Invalid::new(
+                    at(rate_text),
+                    format!(
+                        "rate {rate} is too large for sliding_window: COUNT × PERIOD in microseconds must stay below 2^53 because the Redis script computes with doubles; use a smaller count or a shorter period"
+                    ),
+                ));
+            }
+        }
+        // The emission interval period/count is kept in whole microseconds.
+        AlgorithmKind::Gcra if rate.count > micros => {
+            return Err(Invalid::new(
+                at(rate_text),
+                format!(
+                    "rate {rate} is finer than one per microsecond, which gcra cannot represent; use a longer period for the same ratio, or another algorithm"
+                ),
+            ));
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn delay(
+    on_limit: Option<&Text>,
+    max_delay_text: Option<&Text>,
+    algorithm: AlgorithmKind,
+) -> Checked<(OnLimit, Duration)> {
+    let max_delay = duration_or(max_delay_text, "max_delay", Duration::ZERO)?;
+    let Some(t) = on_limit else {
+        return reject_only(max_delay_text, max_delay);
+    };
+    let on_limit = keyword(
+        t,
+        "on_limit",
+        &[("reject", OnLimit::Reject), ("delay", OnLimit::Delay)],
+    )?;
+    if on_limit == OnLimit::Reject {
+        return reject_only(max_delay_text, max_delay);
+    }
+    if algorithm != AlgorithmKind::Gcra {
+        return Err(Invalid::new(
+            at(t),
+            format!(
+                "on_limit: delay needs an algorithm that can reserve: gcra ({algorithm} cannot promise a future slot)"
+            ),
+        ));
+    }
+    if max_delay.is_zero() {
+        let (pos, msg) = match max_delay_text {
+            Some(m) => (
+                at(m),
+                "max_delay must be longer than 0 with on_limit: delay",
+            ),
+            None => (
+                at(t),
+                "on_limit: delay needs max_delay, the longest a request may wait (e.g. max_delay: 500ms)",
+            ),
+        };
+        return Err(Invalid::new(pos, msg));
+    }
+    Ok((OnLimit::Delay, max_delay))
+}
+
+/// A non-zero max_delay under `reject` is almost surely a forgotten
+/// `on_limit: delay`; refusing it beats silently not waiting.
+fn reject_only(max_delay_text: Option<&Text>, max_delay: Duration) -> Checked<(OnLimit, Duration)> {
+    if let Some(m) = max_delay_text.filter(|_| !max_delay.is_zero()) {
+        return Err(Invalid::new(
+            at(m),
+            format!(
+                "max_delay {} has no effect with on_limit: reject; add on_limit: delay, or remove max_delay",
+                DurationText(max_delay)
+            ),
+        ));
+    }
+    Ok((OnLimit::Reject, max_delay))
+}
+
+fn key_part(t: &Text) -> Checked<KeyPart> {
+    let s = t.value.trim();
+    let bad = |why: String| Invalid::new(at(t), why);
+    let part = match s {
+        "ip" => KeyPart::Ip,
+        "path" => KeyPart::Path,
+        "method" => KeyPart::Method,
+        "route" => KeyPart::Route,
+        _ => match s.split_once(':') {
+            Some(("header", h)) => KeyPart::Header(
+                http::HeaderName::from_bytes(h.trim().as_bytes())
+                    .map_err(|_| bad(format!("key part `{s}`: `{h}` is not a header name")))?,
+            ),
+            Some(("query", q)) if !q.trim().is_empty() => KeyPart::Query(q.trim().to_owned()),
+            Some(("literal", l)) if !l.is_empty() => KeyPart::Literal(l.to_owned()),
+            _ => {
+                return Err(bad(format!(
+                    "`{s}` is not a key part: use ip | header:NAME | query:NAME | path | method | route | literal:TEXT"
+                )));
+            }
+        },
+    };
+    Ok(part)
+}

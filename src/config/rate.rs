@@ -1,0 +1,123 @@
+//! `COUNT/PERIOD` rates and `30s`-style durations.
+//!
+//! Both are kept to whole milliseconds and to a microsecond count that fits a
+//! `u64`, so limiters can do integer arithmetic on `period_micros()` without
+//! checking for overflow themselves.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// `count` units per `period`: what one limit lets through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Rate {
+    pub count: u64,
+    #[serde(serialize_with = "super::types::serialize_duration")]
+    pub period: Duration,
+}
+
+impl Rate {
+    /// The period in whole microseconds, saturating: every validated rate fits.
+    pub fn period_micros(&self) -> u64 {
+        u64::try_from(self.period.as_micros()).unwrap_or(u64::MAX)
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, DurationText(self.period))
+    }
+}
+
+const UNITS: [(&str, u64); 5] = [
+    ("d", 86_400_000_000),
+    ("h", 3_600_000_000),
+    ("m", 60_000_000),
+    ("s", 1_000_000),
+    ("ms", 1_000),
+];
+
+const DURATION_HELP: &str = "write an integer with a unit ms, s, m, h or d (50ms, 30s, 1m, 1h, 1d); a bare integer means seconds";
+
+/// `50ms`, `30s`, `1m`, `1h`, `1d`, or a bare integer of seconds.
+pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let digits = t.len() - t.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let (number, unit) = t.split_at(digits);
+    if number.is_empty() {
+        return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));
+    }
+    let unit = if unit.is_empty() { "s" } else { unit };
+    to_duration(number, unit, text)
+}
+
+/// `COUNT/PERIOD` where PERIOD is an optional integer and a unit: `100/1m`,
+/// `10/s`, `5/500ms`.
+pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
+    let help = "write COUNT/PERIOD, e.g. 100/1m, 10/s or 5/500ms (units ms, s, m, h, d)";
+    let Some((count, period)) = text.trim().split_once('/') else {
+        return Err(format!("rate `{text}` has no `/`: {help}"));
+    };
+    let (count, period) = (count.trim(), period.trim());
+    if count.is_empty() || !count.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("rate `{text}`: `{count}` is not a count: {help}"));
+    }
+    let count: u64 = count
+        .parse()
+        .map_err(|_| format!("rate `{text}`: the count {count} is too large"))?;
+    if count == 0 {
+        return Err(format!(
+            "rate `{text}` admits nothing: the count must be at least 1"
+        ));
+    }
+    let digits = period.len()
+        - period
+            .trim_start_matches(|c: char| c.is_ascii_digit())
+            .len();
+    let (number, unit) = period.split_at(digits);
+    if unit.is_empty() {
+        return Err(format!("rate `{text}`: the period needs a unit: {help}"));
+    }
+    let number = if number.is_empty() { "1" } else { number };
+    let period = to_duration(number, unit, period).map_err(|e| format!("rate `{text}`: {e}"))?;
+    if period.is_zero() {
+        return Err(format!("rate `{text}`: the period must be longer than 0"));
+    }
+    Ok(Rate { count, period })
+}
+
+fn to_duration(number: &str, unit: &str, text: &str) -> Result<Duration, String> {
+    let Some(&(_, micros_per_unit)) = UNITS.iter().find(|(name, _)| *name == unit) else {
+        return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(micros_per_unit))
+        .map(Duration::from_micros)
+        .ok_or_else(|| format!("duration `{text}` is too long"))
+}
+
+/// Formats a duration in the largest unit that divides it, the way a person
+/// would write it in the YAML (`1m`, `90s`, `1500ms`).
+pub(super) struct DurationText(pub Duration);
+
+impl fmt::Display for DurationText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nanos = self.0.as_nanos();
+        if nanos == 0 {
+            return f.write_str("0s");
+        }
+        if nanos % 1_000 != 0 {
+            return write!(f, "{nanos}ns");
+        }
+        let micros = nanos / 1_000;
+        for (name, per) in UNITS {
+            if micros % u128::from(per) == 0 {
+                return write!(f, "{}{name}", micros / u128::from(per));
+            }
+        }
+        write!(f, "{micros}us")
+    }
+}

@@ -1,0 +1,165 @@
+//! The YAML as written, before any meaning is given to it.
+//!
+//! Every struct refuses unknown keys, so a misspelt field is an error and not a
+//! silently ignored default. Values that need checking beyond their YAML type
+//! are kept as text inside [`Spanned`], so validation can still name the line
+//! and column and can word its own message about what is allowed. Required
+//! fields are `Option` here too: serde-saphyr places "missing field" at the
+//! last key it read, while validation can point at the mapping that lacks it.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde_saphyr::{Localizer, Location, RenderOptions, SnippetMode, Spanned};
+
+use super::{Invalid, Pos};
+
+pub(super) type Text = Spanned<String>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    pub server: Option<RawServer>,
+    pub redis: Option<Spanned<RawRedis>>,
+    pub routes: Option<Vec<Spanned<RawRoute>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub listen: Option<Text>,
+    pub admin: Option<Text>,
+    pub trusted_proxies: Option<Spanned<OneOrMany>>,
+    pub grace_period: Option<Text>,
+    pub max_waiters: Option<Spanned<u64>>,
+    pub admin_token: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRedis {
+    pub url: Option<Text>,
+    pub cluster: Option<Spanned<OneOrMany>>,
+    pub timeout: Option<Text>,
+    pub on_error: Option<Text>,
+    pub pool_size: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub name: Option<Text>,
+    #[serde(rename = "match")]
+    pub matcher: Option<RawMatch>,
+    pub upstream: Option<Spanned<OneOrMany>>,
+    pub timeout: Option<Text>,
+    pub preserve_host: Option<bool>,
+    pub headers: Option<bool>,
+    pub limits: Option<Vec<Spanned<RawLimit>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMatch {
+    pub path: Option<Text>,
+    pub path_prefix: Option<Text>,
+    pub host: Option<Text>,
+    pub methods: Option<Spanned<OneOrMany>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimit {
+    pub name: Option<Text>,
+    pub key: Option<Spanned<OneOrMany>>,
+    pub on_missing: Option<Text>,
+    pub algorithm: Option<Text>,
+    pub rate: Option<Text>,
+    pub burst: Option<Spanned<u64>>,
+    pub scope: Option<Text>,
+    pub cost: Option<Spanned<u64>>,
+    pub on_limit: Option<Text>,
+    pub max_delay: Option<Text>,
+    pub shadow: Option<bool>,
+    pub consistency: Option<Text>,
+    pub sync_interval: Option<Text>,
+}
+
+/// `upstream: URL` or `upstream: [URL, ...]` (likewise `key`, `methods`, ...).
+///
+/// Hand-written rather than `#[serde(untagged)]`: untagged enums buffer their
+/// input and serde-saphyr then loses every position inside. Wrapped in
+/// `Spanned`, the single form takes the wrapper's position.
+#[derive(Debug)]
+pub(super) enum OneOrMany {
+    One(String),
+    Many(Vec<Text>),
+}
+
+impl OneOrMany {
+    /// Each item with its position; `at` is where the whole node is.
+    pub fn items(self, at: Location) -> Vec<Text> {
+        match self {
+            Self::One(value) => vec![Spanned::new(value, at, at)],
+            Self::Many(items) => items,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for OneOrMany {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct OneOrManyVisitor;
+
+        impl<'de> Visitor<'de> for OneOrManyVisitor {
+            type Value = OneOrMany;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or a list of strings")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<OneOrMany, E> {
+                Ok(OneOrMany::One(v.to_owned()))
+            }
+
+            fn visit_string<E: de::Error>(self, v: String) -> Result<OneOrMany, E> {
+                Ok(OneOrMany::One(v))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<OneOrMany, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(OneOrMany::Many(items))
+            }
+        }
+
+        deserializer.deserialize_any(OneOrManyVisitor)
+    }
+}
+
+/// YAML text to [`RawConfig`]; syntax, type, unknown-key and duplicate-key
+/// errors come out with their position and a message without it.
+pub(super) fn parse(text: &str) -> Result<RawConfig, Invalid> {
+    serde_saphyr::from_str::<RawConfig>(text).map_err(|e| {
+        let at = e.location().map_or(Pos { line: 1, column: 1 }, Pos::of);
+        Invalid::new(at, plain_message(&e))
+    })
+}
+
+/// The library's user-facing wording, minus the " at line L, column C" suffix
+/// and the source snippet: the position is already in `PATH:LINE:COL`.
+fn plain_message(e: &serde_saphyr::Error) -> String {
+    struct NoLocation;
+    impl Localizer for NoLocation {
+        fn attach_location<'a>(&self, base: Cow<'a, str>, _: Location) -> Cow<'a, str> {
+            base
+        }
+    }
+    let formatter = serde_saphyr::UserMessageFormatter.with_localizer(&NoLocation);
+    let mut options = RenderOptions::new(&formatter);
+    options.snippets = SnippetMode::Off;
+    e.render_with_options(options)
+}

@@ -1,0 +1,233 @@
+//! The text `tollgate check` prints: what will run, on one screen.
+//!
+//! Defaults are spelled out, because "what did I get by leaving it out" is the
+//! usual question, and each limit ends with its admission bound in words, so a
+//! reader can tell what a rate means without knowing the algorithm.
+
+use std::fmt::Write as _;
+
+use super::rate::DurationText;
+use super::types::{
+    AlgorithmKind, Config, Consistency, LimitConfig, OnError, OnLimit, PathMatch, RedisTarget,
+    RouteConfig, Scope, redact_url,
+};
+
+pub fn summary(cfg: &Config) -> String {
+    let mut out = String::new();
+    let s = &cfg.server;
+    let token = if s.admin_token.is_some() {
+        "bearer token required"
+    } else {
+        "no admin_token: open to whoever reaches it"
+    };
+    let proxies = if s.trusted_proxies.is_empty() {
+        "none".to_owned()
+    } else {
+        join(&s.trusted_proxies, ", ")
+    };
+    let _ = writeln!(out, "listen   {}", s.listen);
+    let _ = writeln!(out, "admin    {} ({token})", s.admin);
+    let _ = writeln!(
+        out,
+        "server   trusted proxies: {proxies}; grace period {}; at most {} delayed requests waiting per route",
+        DurationText(s.grace_period),
+        s.max_waiters
+    );
+    match &cfg.redis {
+        None => {
+            let _ = writeln!(out, "redis    none: all limits local");
+        }
+        Some(r) => {
+            let target = match &r.target {
+                RedisTarget::Single(url) => redact_url(url),
+                RedisTarget::Cluster(nodes) => format!(
+                    "cluster {}",
+                    nodes
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+            let on_error = match r.on_error {
+                OnError::Allow => "allow (fall back to the local limit)",
+                OnError::Deny => "deny (reply 503)",
+            };
+            let _ = writeln!(
+                out,
+                "redis    {target} (timeout {}, pool {}, on error: {on_error})",
+                DurationText(r.timeout),
+                r.pool_size
+            );
+        }
+    }
+    if cfg.routes.is_empty() {
+        let _ = writeln!(out, "routes   none: every request gets 404");
+    } else {
+        let _ = writeln!(out, "routes   {} (first match wins)", cfg.routes.len());
+    }
+    for route in &cfg.routes {
+        write_route(&mut out, route);
+    }
+    out
+}
+
+fn write_route(out: &mut String, route: &RouteConfig) {
+    let m = &route.matcher;
+    let path = match &m.path {
+        PathMatch::Exact(p) => format!("path {p}"),
+        PathMatch::Prefix(p) => format!("path_prefix {p}"),
+    };
+    let host = m
+        .host
+        .as_deref()
+        .map_or_else(|| "any host".to_owned(), |h| format!("host {h}"));
+    let methods = m.methods.as_ref().map_or_else(
+        || "any method".to_owned(),
+        |ms| format!("methods {}", join(ms, "|")),
+    );
+    let upstreams: Vec<String> = route
+        .upstreams
+        .iter()
+        .map(|u| {
+            let s = u.to_string();
+            match s.strip_suffix('/') {
+                Some(base) if u.path() == "/" => base.to_owned(),
+                _ => s,
+            }
+        })
+        .collect();
+    let mut extras = vec![format!("timeout {}", DurationText(route.timeout))];
+    if !route.preserve_host {
+        extras.push("Host rewritten to the upstream's".to_owned());
+    }
+    if !route.headers {
+        extras.push("no RateLimit headers on admitted responses".to_owned());
+    }
+    let balance = if upstreams.len() > 1 {
+        " (round-robin)"
+    } else {
+        ""
+    };
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "route {}: {path}, {host}, {methods} -> {}{balance}; {}",
+        route.name,
+        upstreams.join(", "),
+        extras.join(", ")
+    );
+    if route.limits.is_empty() {
+        let _ = writeln!(out, "  no limits");
+    }
+    for limit in &route.limits {
+        write_limit(out, limit);
+    }
+}
+
+fn write_limit(out: &mut String, l: &LimitConfig) {
+    let mut algo = format!("{} {}", l.algorithm, l.rate);
+    if l.algorithm == AlgorithmKind::Gcra {
+        let _ = write!(algo, " burst {}", l.burst);
+    }
+    let on_limit = match l.on_limit {
+        OnLimit::Reject => "reject".to_owned(),
+        OnLimit::Delay => format!("delay up to {}", DurationText(l.max_delay)),
+    };
+    let consistency = match l.consistency {
+        Consistency::Strict => "strict".to_owned(),
+        Consistency::Eventual => format!("eventual (sync {})", DurationText(l.sync_interval)),
+    };
+    let _ = writeln!(
+        out,
+        "  limit {}: key {} (if missing: {}), {algo}, {}, cost {}, {on_limit}, {}, {consistency}",
+        l.name,
+        join(&l.key, "+"),
+        l.on_missing,
+        l.scope,
+        l.cost,
+        if l.shadow {
+            "shadow (never rejects)"
+        } else {
+            "enforced"
+        },
+    );
+    let _ = writeln!(out, "    {}", admission_bound(l));
+}
+
+/// The spec's upper bound on admissions in any interval of one period, per key.
+fn admission_bound(l: &LimitConfig) -> String {
+    let count = l.rate.count;
+    let period = DurationText(l.rate.period);
+    let (units, mut text) = match l.algorithm {
+        AlgorithmKind::Gcra => {
+            let total = l.burst.saturating_add(count);
+            (
+                total,
+                format!(
+                    "at most {total}{} per {period} (burst {} + {count})",
+                    unit_word(l.cost),
+                    l.burst
+                ),
+            )
+        }
+        AlgorithmKind::FixedWindow => {
+            let total = count.saturating_mul(2);
+            (
+                total,
+                format!(
+                    "at most {count}{} per {period} window; {total} in any {period} across a window boundary (2 × {count})",
+                    unit_word(l.cost)
+                ),
+            )
+        }
+        AlgorithmKind::SlidingWindow => (
+            count,
+            format!(
+                "about {count}{} in any {period} (sliding-window approximation)",
+                unit_word(l.cost)
+            ),
+        ),
+        AlgorithmKind::SlidingLog => (
+            count,
+            format!(
+                "at most {count}{} in any {period} (exact log)",
+                unit_word(l.cost)
+            ),
+        ),
+    };
+    if l.cost > 1 {
+        let _ = write!(
+            text,
+            ", i.e. {} requests of cost {}",
+            units / l.cost,
+            l.cost
+        );
+    }
+    if l.consistency == Consistency::Eventual {
+        let _ = write!(
+            text,
+            ", plus what other instances admit within one sync_interval ({})",
+            DurationText(l.sync_interval)
+        );
+    }
+    if l.scope == Scope::Local {
+        text.push_str(", on each instance");
+    }
+    if l.shadow {
+        text = format!("not enforced (shadow); would allow {text}");
+    }
+    text
+}
+
+fn unit_word(cost: u64) -> &'static str {
+    if cost > 1 { " units" } else { "" }
+}
+
+fn join<T: std::fmt::Display>(items: &[T], sep: &str) -> String {
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(sep)
+}

@@ -1,0 +1,355 @@
+//! Refusals inside `limits:` (see `with_limit` for where positions come from).
+
+use std::time::Duration;
+
+use super::super::{AlgorithmKind, KeyPart, OnMissing};
+use super::{assert_err, ok, with_limit, with_redis_limit};
+
+#[test]
+fn rate_that_does_not_parse() {
+    assert_err(&with_limit(&["rate: 100 per minute"]), 6, 15, "has no `/`");
+    assert_err(
+        &with_limit(&["rate: 100/1x"]),
+        6,
+        15,
+        "`1x` is not a duration",
+    );
+    assert_err(
+        &with_limit(&["rate: 100/60"]),
+        6,
+        15,
+        "the period needs a unit",
+    );
+    assert_err(
+        &with_limit(&["rate: ten/1s"]),
+        6,
+        15,
+        "`ten` is not a count",
+    );
+    assert_err(&with_limit(&["rate: 100"]), 6, 15, "has no `/`");
+}
+
+#[test]
+fn rate_count_zero() {
+    assert_err(
+        &with_limit(&["rate: 0/1s"]),
+        6,
+        15,
+        "admits nothing: the count must be at least 1",
+    );
+}
+
+#[test]
+fn rate_period_zero() {
+    assert_err(
+        &with_limit(&["rate: 10/0s"]),
+        6,
+        15,
+        "the period must be longer than 0",
+    );
+}
+
+#[test]
+fn limit_without_rate() {
+    assert_err(&with_limit(&["key: ip"]), 5, 9, "limit `l` has no `rate`");
+}
+
+#[test]
+fn cost_zero() {
+    assert_err(
+        &with_limit(&["rate: 10/1s", "cost: 0"]),
+        7,
+        15,
+        "cost must be at least 1",
+    );
+}
+
+#[test]
+fn cost_above_gcra_burst() {
+    let yaml = with_limit(&["rate: 100/1m", "burst: 20", "cost: 30"]);
+    assert_err(
+        &yaml,
+        8,
+        15,
+        "cost 30 can never be admitted: the limit admits at most 20 at once",
+    );
+    // burst defaults to the count
+    let yaml = with_limit(&["rate: 10/1s", "cost: 11"]);
+    assert_err(
+        &yaml,
+        7,
+        15,
+        "cost 11 can never be admitted: the limit admits at most 10 at once",
+    );
+    let cfg = ok(&with_limit(&["rate: 100/1m", "burst: 20", "cost: 20"]));
+    assert_eq!(cfg.routes[0].limits[0].cost, 20);
+}
+
+#[test]
+fn cost_above_window_count() {
+    for algorithm in ["fixed_window", "sliding_window", "sliding_log"] {
+        let alg = format!("algorithm: {algorithm}");
+        let yaml = with_limit(&[&alg, "rate: 20/1m", "cost: 30"]);
+        assert_err(
+            &yaml,
+            8,
+            15,
+            "cost 30 can never be admitted: the limit admits at most 20 at once",
+        );
+        assert_eq!(
+            ok(&with_limit(&[&alg, "rate: 20/1m", "cost: 20"])).routes[0].limits[0].cost,
+            20
+        );
+    }
+}
+
+#[test]
+fn burst_zero() {
+    assert_err(
+        &with_limit(&["rate: 10/1s", "burst: 0"]),
+        7,
+        16,
+        "burst must be at least 1",
+    );
+}
+
+#[test]
+fn burst_on_other_algorithms() {
+    let yaml = with_limit(&["algorithm: fixed_window", "rate: 10/1s", "burst: 5"]);
+    assert_err(&yaml, 8, 16, "burst applies to gcra only");
+}
+
+#[test]
+fn delay_needs_gcra() {
+    let yaml = with_limit(&[
+        "algorithm: sliding_window",
+        "rate: 10/1s",
+        "on_limit: delay",
+        "max_delay: 1s",
+    ]);
+    assert_err(
+        &yaml,
+        8,
+        19,
+        "delay needs an algorithm that can reserve: gcra",
+    );
+}
+
+#[test]
+fn delay_needs_max_delay() {
+    let yaml = with_limit(&["rate: 10/1s", "on_limit: delay", "max_delay: 0s"]);
+    assert_err(
+        &yaml,
+        8,
+        20,
+        "max_delay must be longer than 0 with on_limit: delay",
+    );
+    let yaml = with_limit(&["rate: 10/1s", "on_limit: delay"]);
+    assert_err(&yaml, 7, 19, "on_limit: delay needs max_delay");
+}
+
+#[test]
+fn max_delay_without_delay() {
+    let yaml = with_limit(&["rate: 10/1s", "max_delay: 2s"]);
+    assert_err(
+        &yaml,
+        7,
+        20,
+        "max_delay 2s has no effect with on_limit: reject",
+    );
+    // 0s is what "no delay" looks like written out (the spec's example does it)
+    let yaml = with_limit(&["rate: 10/1s", "on_limit: reject", "max_delay: 0s"]);
+    assert_eq!(ok(&yaml).routes[0].limits[0].max_delay, Duration::ZERO);
+}
+
+#[test]
+fn global_scope_needs_redis() {
+    let yaml = with_limit(&["rate: 10/1s", "scope: global"]);
+    assert_err(&yaml, 7, 16, "scope: global needs a `redis` section");
+}
+
+#[test]
+fn eventual_needs_a_window_algorithm() {
+    let yaml = with_redis_limit(&["rate: 10/1s", "consistency: eventual"]);
+    assert_err(
+        &yaml,
+        9,
+        22,
+        "eventual works with fixed_window and sliding_window only, not gcra",
+    );
+    let yaml = with_redis_limit(&[
+        "algorithm: sliding_log",
+        "rate: 10/1s",
+        "consistency: eventual",
+    ]);
+    assert_err(&yaml, 10, 22, "not sliding_log");
+}
+
+#[test]
+fn eventual_needs_a_shared_store() {
+    let yaml = with_redis_limit(&[
+        "algorithm: fixed_window",
+        "rate: 10/1s",
+        "scope: local",
+        "consistency: eventual",
+    ]);
+    assert_err(&yaml, 11, 22, "eventual needs a shared store");
+    let yaml = with_limit(&[
+        "algorithm: fixed_window",
+        "rate: 10/1s",
+        "consistency: eventual",
+    ]);
+    assert_err(&yaml, 8, 22, "eventual needs a shared store");
+}
+
+#[test]
+fn eventual_accepted_where_it_makes_sense() {
+    let yaml = with_redis_limit(&[
+        "algorithm: sliding_window",
+        "rate: 10/1s",
+        "consistency: eventual",
+        "sync_interval: 250ms",
+    ]);
+    let l = &ok(&yaml).routes[0].limits[0];
+    assert_eq!(l.sync_interval, Duration::from_millis(250));
+}
+
+#[test]
+fn sync_interval_zero() {
+    let yaml = with_limit(&["rate: 10/1s", "sync_interval: 0ms"]);
+    assert_err(&yaml, 7, 24, "sync_interval must be longer than 0");
+}
+
+#[test]
+fn sliding_window_beyond_double_precision() {
+    // 104_250 × 86_400_000_000 µs ≥ 2^53 > 104_249 × 86_400_000_000 µs
+    let yaml = with_limit(&["algorithm: sliding_window", "rate: 104250/1d"]);
+    assert_err(&yaml, 7, 15, "computes with doubles");
+    let yaml = with_limit(&["algorithm: sliding_window", "rate: 104249/1d"]);
+    assert_eq!(ok(&yaml).routes[0].limits[0].rate.count, 104_249);
+}
+
+#[test]
+fn gcra_finer_than_a_microsecond() {
+    assert_err(
+        &with_limit(&["rate: 2000001/2s"]),
+        6,
+        15,
+        "finer than one per microsecond",
+    );
+    assert_eq!(
+        ok(&with_limit(&["rate: 2000000/2s"])).routes[0].limits[0]
+            .rate
+            .count,
+        2_000_000
+    );
+}
+
+#[test]
+fn key_parts() {
+    let yaml = with_limit(&[
+        "key: [ip, 'header:X-User-Id', query:q, path, method, route, 'literal:a b']",
+        "rate: 1/s",
+    ]);
+    let key = &ok(&yaml).routes[0].limits[0].key;
+    assert_eq!(
+        key,
+        &[
+            KeyPart::Ip,
+            KeyPart::Header(http::HeaderName::from_static("x-user-id")),
+            KeyPart::Query("q".into()),
+            KeyPart::Path,
+            KeyPart::Method,
+            KeyPart::Route,
+            KeyPart::Literal("a b".into()),
+        ]
+    );
+    let yaml = with_limit(&["key: header:x-api-key", "rate: 1/s"]);
+    let key = &ok(&yaml).routes[0].limits[0].key;
+    assert_eq!(
+        key,
+        &[KeyPart::Header(http::HeaderName::from_static("x-api-key"))]
+    );
+}
+
+#[test]
+fn key_part_errors() {
+    assert_err(
+        &with_limit(&["key: [ip, 'cookie:x']", "rate: 1/s"]),
+        6,
+        19,
+        "`cookie:x` is not a key part: use ip | header:NAME",
+    );
+    assert_err(
+        &with_limit(&["key: 'header:bad name'", "rate: 1/s"]),
+        6,
+        14,
+        "is not a header name",
+    );
+    assert_err(
+        &with_limit(&["key: []", "rate: 1/s"]),
+        6,
+        14,
+        "key is empty",
+    );
+    assert_err(
+        &with_limit(&["key: 'query:'", "rate: 1/s"]),
+        6,
+        14,
+        "not a key part",
+    );
+}
+
+#[test]
+fn keywords_list_what_is_allowed() {
+    assert_err(
+        &with_limit(&["rate: 1/s", "algorithm: token-bucket"]),
+        7,
+        20,
+        "use gcra | token_bucket | leaky_bucket | fixed_window | sliding_window | sliding_log",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "on_missing: allow"]),
+        7,
+        21,
+        "use skip | ip | reject",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "scope: cluster"]),
+        7,
+        16,
+        "use local | global",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "on_limit: drop"]),
+        7,
+        19,
+        "use reject | delay",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "consistency: weak"]),
+        7,
+        22,
+        "use strict | eventual",
+    );
+}
+
+#[test]
+fn algorithm_aliases() {
+    for (word, kind) in [
+        ("gcra", AlgorithmKind::Gcra),
+        ("token_bucket", AlgorithmKind::Gcra),
+        ("leaky_bucket", AlgorithmKind::Gcra),
+        ("fixed_window", AlgorithmKind::FixedWindow),
+        ("sliding_window", AlgorithmKind::SlidingWindow),
+        ("sliding_log", AlgorithmKind::SlidingLog),
+    ] {
+        let alg = format!("algorithm: {word}");
+        assert_eq!(
+            ok(&with_limit(&[&alg, "rate: 1/s"])).routes[0].limits[0].algorithm,
+            kind
+        );
+    }
+    let yaml = with_limit(&["rate: 1/s", "on_missing: reject"]);
+    assert_eq!(ok(&yaml).routes[0].limits[0].on_missing, OnMissing::Reject);
+}

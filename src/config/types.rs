@@ -1,0 +1,295 @@
+//! The validated configuration the proxy runs on.
+//!
+//! Defaults are already applied and every cross-field rule already holds, so
+//! users of these types never re-check them. They serialize to JSON for
+//! `GET /admin/config`: in the YAML's own notation where there is one
+//! (durations as `30s`, key parts as `header:x-user-id`), and with secrets
+//! (the admin token, Redis passwords) redacted, because that endpoint's output
+//! ends up in tickets and chat.
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::{Serialize, Serializer};
+
+use super::rate::DurationText;
+pub use super::rate::Rate;
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub redis: Option<RedisConfig>,
+    /// In file order: the first match wins.
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    /// Peers whose `X-Forwarded-For` / `Forwarded` are believed.
+    pub trusted_proxies: Vec<IpNet>,
+    /// How long in-flight requests may run after SIGTERM.
+    #[serde(serialize_with = "serialize_duration")]
+    pub grace_period: Duration,
+    /// Cap on delayed requests waiting per route, so `on_limit: delay` cannot
+    /// pile up unbounded memory and sockets.
+    pub max_waiters: usize,
+    /// Bearer token for `/admin/*`; `None` leaves them open to whoever reaches
+    /// the admin listener.
+    #[serde(serialize_with = "serialize_secret")]
+    pub admin_token: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 8080)),
+            admin: SocketAddr::from((Ipv4Addr::LOCALHOST, 9090)),
+            trusted_proxies: Vec::new(),
+            grace_period: Duration::from_secs(30),
+            max_waiters: 1024,
+            admin_token: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RedisConfig {
+    pub target: RedisTarget,
+    /// Per command: a slow Redis must not hold requests longer than this.
+    #[serde(serialize_with = "serialize_duration")]
+    pub timeout: Duration,
+    pub on_error: OnError,
+    pub pool_size: usize,
+}
+
+/// Serializes like the YAML: `{"url": ..}` or `{"cluster": [..]}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum RedisTarget {
+    #[serde(rename = "url")]
+    Single(#[serde(serialize_with = "serialize_redis_url")] String),
+    #[serde(rename = "cluster")]
+    Cluster(#[serde(serialize_with = "serialize_redis_urls")] Vec<String>),
+}
+
+/// What a `global` limit decides when Redis does not answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Decide with the local limiter instead.
+    Allow,
+    /// Reply 503.
+    Deny,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RouteConfig {
+    pub name: String,
+    pub matcher: RouteMatch,
+    /// Balanced round-robin; never empty.
+    #[serde(serialize_with = "serialize_display_list")]
+    pub upstreams: Vec<http::Uri>,
+    /// Whole upstream exchange; past it the client gets 504.
+    #[serde(serialize_with = "serialize_duration")]
+    pub timeout: Duration,
+    pub preserve_host: bool,
+    /// `RateLimit` fields on admitted responses too.
+    pub headers: bool,
+    /// All must admit a request.
+    pub limits: Vec<LimitConfig>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RouteMatch {
+    pub path: PathMatch,
+    /// Lowercase, without a port: compare with the request's host the same way.
+    pub host: Option<String>,
+    /// Uppercase; `None` matches every method.
+    #[serde(serialize_with = "serialize_methods")]
+    pub methods: Option<Vec<http::Method>>,
+}
+
+/// Serializes like the YAML: `{"path": ..}` or `{"path_prefix": ..}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum PathMatch {
+    #[serde(rename = "path")]
+    Exact(String),
+    /// Without a trailing `/` (except `/` itself), so the matcher can test the
+    /// segment boundary with one comparison.
+    #[serde(rename = "path_prefix")]
+    Prefix(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LimitConfig {
+    pub name: String,
+    /// Parts joined into the client key; never empty.
+    pub key: Vec<KeyPart>,
+    pub on_missing: OnMissing,
+    pub algorithm: AlgorithmKind,
+    pub rate: Rate,
+    /// gcra bucket depth; equals `rate.count` for the other algorithms.
+    pub burst: u64,
+    pub scope: Scope,
+    /// Units one request takes; validated to be admissible at least once.
+    pub cost: u64,
+    pub on_limit: OnLimit,
+    /// Longest wait with `on_limit: delay`; 0 with `reject`.
+    #[serde(serialize_with = "serialize_duration")]
+    pub max_delay: Duration,
+    /// Count and report, never reject.
+    pub shadow: bool,
+    pub consistency: Consistency,
+    /// How often an `eventual` limit exchanges counts with Redis.
+    #[serde(serialize_with = "serialize_duration")]
+    pub sync_interval: Duration,
+}
+
+/// One part of a limit's key; written `ip`, `header:NAME`, `query:NAME`,
+/// `path`, `method`, `route` or `literal:TEXT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyPart {
+    Ip,
+    Header(http::HeaderName),
+    Query(String),
+    Path,
+    Method,
+    Route,
+    Literal(String),
+}
+
+impl fmt::Display for KeyPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ip => f.write_str("ip"),
+            Self::Header(name) => write!(f, "header:{name}"),
+            Self::Query(name) => write!(f, "query:{name}"),
+            Self::Path => f.write_str("path"),
+            Self::Method => f.write_str("method"),
+            Self::Route => f.write_str("route"),
+            Self::Literal(text) => write!(f, "literal:{text}"),
+        }
+    }
+}
+
+impl Serialize for KeyPart {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+macro_rules! keyword_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(match self { $(Self::$variant => $text),+ })
+            }
+        }
+    };
+}
+
+keyword_enum!(
+    /// What a limit does when a key part is absent from the request.
+    OnMissing {
+        /// The limit does not apply to this request.
+        Skip = "skip",
+        /// Fall back to the client IP as the whole key.
+        Ip = "ip",
+        /// Refuse the request.
+        Reject = "reject",
+    }
+);
+
+keyword_enum!(
+    /// `token_bucket` and `leaky_bucket` are GCRA: same admissions, one timestamp of state.
+    AlgorithmKind {
+        Gcra = "gcra",
+        FixedWindow = "fixed_window",
+        SlidingWindow = "sliding_window",
+        SlidingLog = "sliding_log",
+    }
+);
+
+keyword_enum!(
+    Scope {
+        /// This instance only, in memory.
+        Local = "local",
+        /// Shared by every instance through Redis.
+        Global = "global",
+    }
+);
+
+keyword_enum!(
+    OnLimit {
+        /// 429 at once.
+        Reject = "reject",
+        /// Wait for the reserved slot, up to `max_delay`.
+        Delay = "delay",
+    }
+);
+
+keyword_enum!(
+    Consistency {
+        /// Every decision made in Redis.
+        Strict = "strict",
+        /// Decided locally, counts exchanged every `sync_interval`.
+        Eventual = "eventual",
+    }
+);
+
+pub(super) fn serialize_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&DurationText(*d))
+}
+
+fn serialize_secret<S: Serializer>(secret: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match secret {
+        Some(_) => s.serialize_some("<redacted>"),
+        None => s.serialize_none(),
+    }
+}
+
+fn serialize_display_list<S: Serializer, T: fmt::Display>(
+    items: &[T],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(items.iter().map(ToString::to_string))
+}
+
+fn serialize_methods<S: Serializer>(
+    methods: &Option<Vec<http::Method>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match methods {
+        Some(methods) => s.serialize_some(&methods.iter().map(|m| m.as_str()).collect::<Vec<_>>()),
+        None => s.serialize_none(),
+    }
+}
+
+fn serialize_redis_url<S: Serializer, T: AsRef<str>>(url: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_url(url.as_ref()))
+}
+
+fn serialize_redis_urls<S: Serializer>(urls: &[String], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(urls.iter().map(|u| redact_url(u)))
+}
+
+/// `redis://user:pass@host:6379/0` → `redis://<redacted>@host:6379/0`.
+pub(super) fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}://<redacted>{}", &rest[at..]),
+        None => url.to_owned(),
+    }
+}

@@ -1,0 +1,490 @@
+//! Raw YAML values to domain types: defaults, meaning, cross-field rules.
+//!
+//! Checks run in file order and stop at the first problem, so the position in
+//! the error is the first place the operator has to look. Every message says
+//! what is wrong and what would be accepted.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde_saphyr::Spanned;
+
+use super::limit;
+use super::rate::parse_duration;
+use super::raw::{OneOrMany, RawConfig, RawMatch, RawRedis, RawRoute, RawServer, Text};
+use super::types::{
+    Config, OnError, PathMatch, RedisConfig, RedisTarget, RouteConfig, RouteMatch, ServerConfig,
+};
+use super::{Invalid, Pos};
+
+pub(super) type Checked<T> = Result<T, Invalid>;
+
+pub(super) fn config(raw: RawConfig) -> Checked<Config> {
+    let server = raw.server.map(server).transpose()?.unwrap_or_default();
+    let redis = raw.redis.map(redis).transpose()?;
+    let mut routes = Vec::new();
+    let mut seen = HashMap::new();
+    for raw_route in raw.routes.unwrap_or_default() {
+        let (route, name_at) = route(raw_route, redis.is_some())?;
+        if let Some(first) = seen.insert(route.name.clone(), name_at) {
+            return Err(Invalid::new(
+                name_at,
+                format!(
+                    "duplicate route name `{}` (first used at line {}): route names must be unique",
+                    route.name, first.line
+                ),
+            ));
+        }
+        routes.push(route);
+    }
+    Ok(Config {
+        server,
+        redis,
+        routes,
+    })
+}
+
+fn server(raw: RawServer) -> Checked<ServerConfig> {
+    let defaults = ServerConfig::default();
+    let listen = raw.listen.as_ref().map(socket_addr).transpose()?;
+    let admin = raw.admin.as_ref().map(socket_addr).transpose()?;
+    let (listen, admin) = (
+        listen.unwrap_or(defaults.listen),
+        admin.unwrap_or(defaults.admin),
+    );
+    if listen.port() == admin.port()
+        && listen.port() != 0
+        && (listen.ip() == admin.ip()
+            || listen.ip().is_unspecified()
+            || admin.ip().is_unspecified())
+    {
+        let at = raw.admin.as_ref().or(raw.listen.as_ref()).map_or(TOP, at);
+        return Err(Invalid::new(
+            at,
+            format!(
+                "admin {admin} and listen {listen} would bind the same port: give them different ports"
+            ),
+        ));
+    }
+    let trusted_proxies = match raw.trusted_proxies {
+        Some(list) => items(list)
+            .iter()
+            .map(trusted_proxy)
+            .collect::<Checked<_>>()?,
+        None => defaults.trusted_proxies,
+    };
+    let admin_token = raw.admin_token.as_ref().map(admin_token).transpose()?;
+    Ok(ServerConfig {
+        listen,
+        admin,
+        trusted_proxies,
+        grace_period: duration_or(
+            raw.grace_period.as_ref(),
+            "grace_period",
+            defaults.grace_period,
+        )?,
+        max_waiters: raw
+            .max_waiters
+            .map_or(Ok(defaults.max_waiters), |n| usize_of(&n))?,
+        admin_token,
+    })
+}
+
+fn socket_addr(t: &Text) -> Checked<SocketAddr> {
+    t.value.trim().parse().map_err(|_| {
+        Invalid::new(
+            at(t),
+            format!(
+                "`{}` is not a socket address: write IP:PORT, e.g. 0.0.0.0:8080, 127.0.0.1:9090 or [::]:8080",
+                t.value
+            ),
+        )
+    })
+}
+
+/// A bare address is a one-host network: `10.0.0.7` is `10.0.0.7/32`.
+fn trusted_proxy(t: &Text) -> Checked<IpNet> {
+    let s = t.value.trim();
+    s.parse::<IpNet>()
+        .map(|net| net.trunc())
+        .or_else(|_| s.parse::<IpAddr>().map(IpNet::from))
+        .map_err(|_| {
+            Invalid::new(
+                at(t),
+                format!(
+                    "trusted_proxies: `{}` is not a CIDR or an IP address (e.g. 10.0.0.0/8, 192.168.1.10, fd00::/8)",
+                    t.value
+                ),
+            )
+        })
+}
+
+/// The token travels in `Authorization: Bearer TOKEN`, so it must be a valid
+/// header value; an empty one would look set while protecting nothing.
+fn admin_token(t: &Text) -> Checked<String> {
+    if t.value.is_empty() || !t.value.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Invalid::new(
+            at(t),
+            "admin_token must be non-empty visible ASCII without spaces (it is sent as `Authorization: Bearer TOKEN`); remove it to leave /admin unauthenticated",
+        ));
+    }
+    Ok(t.value.clone())
+}
+
+fn redis(raw: Spanned<RawRedis>) -> Checked<RedisConfig> {
+    let redis_at = at(&raw);
+    let raw = raw.value;
+    let target = match (raw.url, raw.cluster) {
+        (Some(url), None) => RedisTarget::Single(redis_url(&url)?),
+        (None, Some(list)) => {
+            let list_at = at(&list);
+            let nodes = items(list);
+            if nodes.is_empty() {
+                return Err(Invalid::new(
+                    list_at,
+                    "cluster lists no node: give at least one redis://HOST:PORT",
+                ));
+            }
+            RedisTarget::Cluster(nodes.iter().map(redis_url).collect::<Checked<_>>()?)
+        }
+        (Some(_), Some(list)) => {
+            return Err(Invalid::new(
+                at(&list),
+                "redis has both `url` and `cluster`: set `url` for one server or `cluster` for a Redis Cluster, not both",
+            ));
+        }
+        (None, None) => {
+            return Err(Invalid::new(
+                redis_at,
+                "redis needs `url: redis://HOST:PORT` or `cluster: [redis://HOST:PORT, ...]`; remove the section to keep every limit local",
+            ));
+        }
+    };
+    let on_error = match &raw.on_error {
+        Some(t) => keyword(
+            t,
+            "on_error",
+            &[("allow", OnError::Allow), ("deny", OnError::Deny)],
+        )?,
+        None => OnError::Allow,
+    };
+    let pool_size = match raw.pool_size {
+        Some(n) if n.value == 0 => {
+            return Err(Invalid::new(at(&n), "pool_size must be at least 1"));
+        }
+        Some(n) => usize_of(&n)?,
+        None => 2,
+    };
+    Ok(RedisConfig {
+        target,
+        timeout: positive_duration_or(raw.timeout.as_ref(), "timeout", Duration::from_millis(50))?,
+        on_error,
+        pool_size,
+    })
+}
+
+fn redis_url(t: &Text) -> Checked<String> {
+    let url = t.value.trim();
+    let host = url
+        .strip_prefix("redis://")
+        .or_else(|| url.strip_prefix("rediss://"));
+    let Some(rest) = host else {
+        return Err(Invalid::new(
+            at(t),
+            format!("redis URL `{url}` must start with redis:// or rediss:// (TLS)"),
+        ));
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let host_port = authority.rsplit('@').next().unwrap_or("");
+    if host_port.is_empty() || host_port.starts_with(':') {
+        return Err(Invalid::new(
+            at(t),
+            format!("redis URL `{url}` has no host: write redis://HOST:PORT"),
+        ));
+    }
+    Ok(url.to_owned())
+}
+
+fn route(raw: Spanned<RawRoute>, has_redis: bool) -> Checked<(RouteConfig, Pos)> {
+    let route_at = at(&raw);
+    let raw = raw.value;
+    let (name, name_at) = name(raw.name, route_at, "route")?;
+    let matcher = match raw.matcher {
+        Some(m) => route_match(m)?,
+        None => RouteMatch {
+            path: PathMatch::Prefix("/".to_owned()),
+            host: None,
+            methods: None,
+        },
+    };
+    let Some(upstream) = raw.upstream else {
+        return Err(Invalid::new(
+            route_at,
+            format!(
+                "route `{name}` has no upstream: add `upstream: http://HOST:PORT` (or a list of them)"
+            ),
+        ));
+    };
+    let upstream_at = at(&upstream);
+    let upstreams = items(upstream)
+        .iter()
+        .map(upstream_uri)
+        .collect::<Checked<Vec<_>>>()?;
+    if upstreams.is_empty() {
+        return Err(Invalid::new(
+            upstream_at,
+            "upstream list is empty: give at least one http://HOST:PORT",
+        ));
+    }
+    let mut limits = Vec::new();
+    let mut seen = HashMap::new();
+    for raw_limit in raw.limits.unwrap_or_default() {
+        let (limit, limit_name_at) = limit::limit(raw_limit, has_redis)?;
+        if let Some(first) = seen.insert(limit.name.clone(), limit_name_at) {
+            return Err(Invalid::new(
+                limit_name_at,
+                format!(
+                    "duplicate limit name `{}` in route `{name}` (first used at line {}): limit names must be unique within a route",
+                    limit.name, first.line
+                ),
+            ));
+        }
+        limits.push(limit);
+    }
+    let route = RouteConfig {
+        name,
+        matcher,
+        upstreams,
+        timeout: positive_duration_or(raw.timeout.as_ref(), "timeout", Duration::from_secs(30))?,
+        preserve_host: raw.preserve_host.unwrap_or(true),
+        headers: raw.headers.unwrap_or(true),
+        limits,
+    };
+    Ok((route, name_at))
+}
+
+fn route_match(raw: RawMatch) -> Checked<RouteMatch> {
+    let path = match (raw.path, raw.path_prefix) {
+        (Some(_), Some(prefix)) => {
+            return Err(Invalid::new(
+                at(&prefix),
+                "match has both `path` and `path_prefix`: use `path` for one exact path or `path_prefix` for a subtree",
+            ));
+        }
+        (Some(exact), None) => PathMatch::Exact(match_path(&exact, "path")?.to_owned()),
+        (None, Some(prefix)) => {
+            let p = match_path(&prefix, "path_prefix")?.trim_end_matches('/');
+            PathMatch::Prefix(if p.is_empty() { "/" } else { p }.to_owned())
+        }
+        (None, None) => PathMatch::Prefix("/".to_owned()),
+    };
+    let host = raw.host.as_ref().map(match_host).transpose()?;
+    let methods = match raw.methods {
+        Some(list) => {
+            let list_at = at(&list);
+            let methods = items(list)
+                .iter()
+                .map(method)
+                .collect::<Checked<Vec<_>>>()?;
+            if methods.is_empty() {
+                return Err(Invalid::new(
+                    list_at,
+                    "methods is empty and would match nothing: list methods, or remove `methods` to match all",
+                ));
+            }
+            Some(methods)
+        }
+        None => None,
+    };
+    Ok(RouteMatch {
+        path,
+        host,
+        methods,
+    })
+}
+
+fn match_path<'a>(t: &'a Text, field: &str) -> Checked<&'a str> {
+    let p = t.value.trim();
+    if !p.starts_with('/') {
+        return Err(Invalid::new(
+            at(t),
+            format!("{field} `{p}` must start with `/`"),
+        ));
+    }
+    if p.contains(['?', '#']) {
+        return Err(Invalid::new(
+            at(t),
+            format!(
+                "{field} `{p}` contains `?` or `#`: routes match the path only, without query or fragment"
+            ),
+        ));
+    }
+    Ok(p)
+}
+
+/// Stored lowercase and portless: the matcher compares it with the request's
+/// host the same way, whatever port the client dialled.
+fn match_host(t: &Text) -> Checked<String> {
+    let h = t.value.trim();
+    let bad = |why: &str| Invalid::new(at(t), format!("host `{h}` {why}"));
+    if h.contains('*') {
+        return Err(bad(
+            "has a wildcard: hosts match exactly (one route per host)",
+        ));
+    }
+    let authority: http::uri::Authority = h
+        .parse()
+        .map_err(|_| bad("is not a host name: write e.g. api.example.com"))?;
+    if authority.as_str().contains('@') {
+        return Err(bad("contains `@`: write only the host name"));
+    }
+    if authority.port().is_some() || authority.host().len() != authority.as_str().len() {
+        return Err(bad(
+            "has a port: hosts match without their port, write only the host name",
+        ));
+    }
+    Ok(authority.host().to_ascii_lowercase())
+}
+
+fn method(t: &Text) -> Checked<http::Method> {
+    let m = t.value.trim().to_ascii_uppercase();
+    http::Method::from_bytes(m.as_bytes()).map_err(|_| {
+        Invalid::new(
+            at(t),
+            format!(
+                "`{}` is not an HTTP method (e.g. GET, POST, PUT, DELETE)",
+                t.value
+            ),
+        )
+    })
+}
+
+/// http or https, with a host, a valid port, no credentials and no query:
+/// anything else would be dropped or misread silently when forwarding.
+fn upstream_uri(t: &Text) -> Checked<http::Uri> {
+    let s = t.value.trim();
+    let bad = |why: String| Invalid::new(at(t), format!("upstream `{s}` {why}"));
+    if s.contains('#') {
+        return Err(bad("has a fragment (`#...`): remove it".to_owned()));
+    }
+    let uri: http::Uri = s.parse().map_err(|e| {
+        bad(format!(
+            "is not a valid URL ({e}): write http://HOST:PORT or https://HOST"
+        ))
+    })?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        Some(other) => {
+            return Err(bad(format!(
+                "has scheme {other}: only http and https are supported"
+            )));
+        }
+        None => {
+            return Err(bad(
+                "has no scheme: write http://... or https://...".to_owned()
+            ));
+        }
+    }
+    let Some(authority) = uri.authority().filter(|a| !a.host().is_empty()) else {
+        return Err(bad("has no host: write http://HOST:PORT".to_owned()));
+    };
+    if authority.as_str().contains('@') {
+        return Err(bad(
+            "contains credentials (`user@`): they are not forwarded; remove them".to_owned(),
+        ));
+    }
+    if let Some(port) = authority.as_str()[authority.host().len()..].strip_prefix(':') {
+        if !matches!(port.parse::<u16>(), Ok(1..)) {
+            return Err(bad(format!("has an invalid port `{port}`: use 1 to 65535")));
+        }
+    }
+    if uri.query().is_some() {
+        return Err(bad(
+            "has a query (`?...`): the client's query is forwarded as is; remove it".to_owned(),
+        ));
+    }
+    Ok(uri)
+}
+
+// ---- helpers shared with limit.rs ----
+
+/// Where a value was used (for an alias, the alias, not the anchor).
+pub(super) fn at<T>(s: &Spanned<T>) -> Pos {
+    Pos::of(s.referenced)
+}
+
+const TOP: Pos = Pos { line: 1, column: 1 };
+
+pub(super) fn items(list: Spanned<OneOrMany>) -> Vec<Text> {
+    list.value.items(list.referenced)
+}
+
+/// Names end up in metric labels and Redis keys, hence the small alphabet.
+pub(super) fn name(raw: Option<Text>, owner_at: Pos, owner: &str) -> Checked<(String, Pos)> {
+    let Some(t) = raw else {
+        return Err(Invalid::new(
+            owner_at,
+            format!("this {owner} has no `name`: every {owner} needs one"),
+        ));
+    };
+    let ok = !t.value.is_empty()
+        && t.value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if !ok {
+        return Err(Invalid::new(
+            at(&t),
+            format!(
+                "{owner} name `{}` may only contain letters, digits, `_`, `.` and `-` (it goes into metric labels and Redis keys)",
+                t.value
+            ),
+        ));
+    }
+    let name_at = at(&t);
+    Ok((t.value, name_at))
+}
+
+pub(super) fn keyword<T: Copy>(t: &Text, field: &str, choices: &[(&str, T)]) -> Checked<T> {
+    let v = t.value.trim();
+    choices
+        .iter()
+        .find(|(word, _)| *word == v)
+        .map(|(_, value)| *value)
+        .ok_or_else(|| {
+            let allowed: Vec<&str> = choices.iter().map(|(word, _)| *word).collect();
+            Invalid::new(
+                at(t),
+                format!("`{v}` is not a valid {field}: use {}", allowed.join(" | ")),
+            )
+        })
+}
+
+pub(super) fn duration_or(t: Option<&Text>, field: &str, default: Duration) -> Checked<Duration> {
+    match t {
+        Some(t) => {
+            parse_duration(&t.value).map_err(|e| Invalid::new(at(t), format!("{field}: {e}")))
+        }
+        None => Ok(default),
+    }
+}
+
+pub(super) fn positive_duration_or(
+    t: Option<&Text>,
+    field: &str,
+    default: Duration,
+) -> Checked<Duration> {
+    let d = duration_or(t, field, default)?;
+    match t {
+        Some(t) if d.is_zero() => Err(Invalid::new(
+            at(t),
+            format!("{field} must be longer than 0"),
+        )),
+        _ => Ok(d),
+    }
+}
+
+fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
+    usize::try_from(n.value).map_err(|_| Invalid::new(at(n), format!("{} is too large", n.value)))
+}

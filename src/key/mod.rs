@@ -1,0 +1,279 @@
+//! Limit keys: which client a request counts against.
+//!
+//! A key is the limit's parts (`ip`, `header:NAME`, `query:NAME`, `path`, `method`, `route`,
+//! `literal:TEXT`) joined with `|`. Values are escaped (`%` → `%25`, `|` → `%7C`, braces →
+//! `%7B`/`%7D`) so the join is injective — a client cannot craft one part that spells two — and
+//! so no value can break a Redis Cluster `{hash tag}`. A value longer than
+//! [`MAX_PART_LEN`] bytes is replaced by `~` and a SHA-256 prefix, so a client cannot make the
+//! gateway store kilobytes per key.
+//!
+//! The client IP is the socket peer, unless the peer is in `server.trusted_proxies`: then
+//! `X-Forwarded-For` (or RFC 7239 `Forwarded`) is walked right to left, skipping trusted hops,
+//! and the first untrusted address is the client. A client outside the trusted set can write
+//! any header it likes and still be keyed by its own address.
+
+pub mod client_ip;
+
+use std::net::IpAddr;
+
+use http::{HeaderMap, Method, Uri};
+use sha2::{Digest, Sha256};
+
+use crate::config::{KeyPart, OnMissing};
+
+pub use client_ip::client_ip;
+
+/// Longest part value kept verbatim; longer ones are hashed.
+pub const MAX_PART_LEN: usize = 64;
+
+/// What the key of one limit is made of, compiled from the config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeySpec {
+    pub parts: Vec<KeyPart>,
+    pub on_missing: OnMissing,
+}
+
+/// The parts of a request a key can be built from.
+pub struct RequestParts<'a> {
+    pub method: &'a Method,
+    pub uri: &'a Uri,
+    pub headers: &'a HeaderMap,
+    pub client_ip: IpAddr,
+    pub route: &'a str,
+}
+
+/// Result of building one limit's key.
+#[derive(Debug, PartialEq, Eq)]
+pub enum KeyOutcome {
+    /// The key was appended to the buffer.
+    Built,
+    /// A part is absent and the limit says `on_missing: skip`: the limit does not apply.
+    Skip,
+    /// A part is absent and the limit says `on_missing: reject`; names the part.
+    Reject(String),
+}
+
+impl KeySpec {
+    /// Appends this limit's key for `req` to `out`. On `Skip`/`Reject` `out` is left as it was.
+    pub fn build(&self, req: &RequestParts<'_>, out: &mut Vec<u8>) -> KeyOutcome {
+        let start = out.len();
+        for (i, part) in self.parts.iter().enumerate() {
+            if i > 0 {
+                out.push(b'|');
+            }
+            let present = match part {
+                KeyPart::Ip => {
+                    push_ip(out, req.client_ip);
+                    true
+                }
+                KeyPart::Header(name) => match req.headers.get(name) {
+                    Some(v) => {
+                        push_escaped(out, v.as_bytes());
+                        true
+                    }
+                    None => false,
+                },
+                KeyPart::Query(name) => match query_param(req.uri.query(), name) {
+                    Some(v) => {
+                        push_escaped(out, v);
+                        true
+                    }
+                    None => false,
+                },
+                KeyPart::Path => {
+                    push_escaped(out, req.uri.path().as_bytes());
+                    true
+                }
+                KeyPart::Method => {
+                    out.extend_from_slice(req.method.as_str().as_bytes());
+                    true
+                }
+                KeyPart::Route => {
+                    out.extend_from_slice(req.route.as_bytes());
+                    true
+                }
+                KeyPart::Literal(text) => {
+                    push_escaped(out, text.as_bytes());
+                    true
+                }
+            };
+            if !present {
+                out.truncate(start);
+                return match self.on_missing {
+                    OnMissing::Skip => KeyOutcome::Skip,
+                    OnMissing::Reject => KeyOutcome::Reject(part_name(part)),
+                    OnMissing::Ip => {
+                        // Prefixed so a user id that looks like an address is a different key.
+                        out.extend_from_slice(b"ip:");
+                        push_ip(out, req.client_ip);
+                        KeyOutcome::Built
+                    }
+                };
+            }
+        }
+        KeyOutcome::Built
+    }
+}
+
+fn part_name(part: &KeyPart) -> String {
+    match part {
+        KeyPart::Ip => "ip".into(),
+        KeyPart::Header(n) => format!("header:{n}"),
+        KeyPart::Query(n) => format!("query:{n}"),
+        KeyPart::Path => "path".into(),
+        KeyPart::Method => "method".into(),
+        KeyPart::Route => "route".into(),
+        KeyPart::Literal(t) => format!("literal:{t}"),
+    }
+}
+
+fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    use std::io::Write;
+    // Writing to a Vec cannot fail.
+    let _ = write!(out, "{}", ip.to_canonical());
+}
+
+/// The raw (still percent-encoded) value of the first `name=` parameter; a bare `name` counts as
+/// present with an empty value.
+fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a [u8]> {
+    query?.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (k == name).then_some(v.as_bytes())
+    })
+}
+
+fn push_escaped(out: &mut Vec<u8>, value: &[u8]) {
+    if value.len() > MAX_PART_LEN {
+        let digest = Sha256::digest(value);
+        out.push(b'~');
+        for b in &digest[..16] {
+            out.extend_from_slice(&hex_byte(*b));
+        }
+        return;
+    }
+    for &b in value {
+        match b {
+            b'%' => out.extend_from_slice(b"%25"),
+            b'|' => out.extend_from_slice(b"%7C"),
+            b'{' => out.extend_from_slice(b"%7B"),
+            b'}' => out.extend_from_slice(b"%7D"),
+            _ => out.push(b),
+        }
+    }
+}
+
+fn hex_byte(b: u8) -> [u8; 2] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    [HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn parts<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> RequestParts<'a> {
+        RequestParts {
+            method: &Method::GET,
+            uri,
+            headers,
+            client_ip: "10.1.2.3".parse().unwrap(),
+            route: "users",
+        }
+    }
+
+    fn build(spec: &KeySpec, req: &RequestParts<'_>) -> (KeyOutcome, String) {
+        let mut out = Vec::new();
+        let o = spec.build(req, &mut out);
+        (o, String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn parts_join_in_order() {
+        let uri: Uri = "/v1/users?id=7&x".parse().unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("x-user", HeaderValue::from_static("alice"));
+        let spec = KeySpec {
+            parts: vec![
+                KeyPart::Ip,
+                KeyPart::Header("x-user".parse().unwrap()),
+                KeyPart::Query("id".into()),
+                KeyPart::Query("x".into()),
+                KeyPart::Path,
+                KeyPart::Method,
+                KeyPart::Route,
+                KeyPart::Literal("v1".into()),
+            ],
+            on_missing: OnMissing::Skip,
+        };
+        let (o, k) = build(&spec, &parts(&uri, &h));
+        assert_eq!(o, KeyOutcome::Built);
+        assert_eq!(k, "10.1.2.3|alice|7||/v1/users|GET|users|v1");
+    }
+
+    #[test]
+    fn missing_part_follows_on_missing() {
+        let uri: Uri = "/".parse().unwrap();
+        let h = HeaderMap::new();
+        let mut spec = KeySpec {
+            parts: vec![KeyPart::Header("x-user".parse().unwrap())],
+            on_missing: OnMissing::Skip,
+        };
+        assert_eq!(build(&spec, &parts(&uri, &h)).0, KeyOutcome::Skip);
+        spec.on_missing = OnMissing::Ip;
+        assert_eq!(
+            build(&spec, &parts(&uri, &h)),
+            (KeyOutcome::Built, "ip:10.1.2.3".into())
+        );
+        spec.on_missing = OnMissing::Reject;
+        assert_eq!(
+            build(&spec, &parts(&uri, &h)).0,
+            KeyOutcome::Reject("header:x-user".into())
+        );
+    }
+
+    #[test]
+    fn separators_in_values_cannot_forge_another_key() {
+        let uri: Uri = "/".parse().unwrap();
+        let spec = KeySpec {
+            parts: vec![
+                KeyPart::Header("a".parse().unwrap()),
+                KeyPart::Header("b".parse().unwrap()),
+            ],
+            on_missing: OnMissing::Skip,
+        };
+        let mut h1 = HeaderMap::new();
+        h1.insert("a", HeaderValue::from_static("p|q"));
+        h1.insert("b", HeaderValue::from_static("r"));
+        let mut h2 = HeaderMap::new();
+        h2.insert("a", HeaderValue::from_static("p"));
+        h2.insert("b", HeaderValue::from_static("q|r"));
+        let k1 = build(&spec, &parts(&uri, &h1)).1;
+        let k2 = build(&spec, &parts(&uri, &h2)).1;
+        assert_ne!(k1, k2);
+        assert!(!k1.contains('{') && !k1.contains('}'));
+    }
+
+    #[test]
+    fn long_values_are_hashed_to_a_bounded_size() {
+        let uri: Uri = "/".parse().unwrap();
+        let spec = KeySpec {
+            parts: vec![KeyPart::Header("x-user".parse().unwrap())],
+            on_missing: OnMissing::Skip,
+        };
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-user",
+            HeaderValue::from_str(&"a".repeat(10_000)).unwrap(),
+        );
+        let (_, k1) = build(&spec, &parts(&uri, &h));
+        assert_eq!(k1.len(), 33);
+        assert!(k1.starts_with('~'));
+        h.insert(
+            "x-user",
+            HeaderValue::from_str(&"a".repeat(10_001)).unwrap(),
+        );
+        let (_, k2) = build(&spec, &parts(&uri, &h));
+        assert_ne!(k1, k2);
+    }
+}

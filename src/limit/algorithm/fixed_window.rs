@@ -1,0 +1,302 @@
+//! Fixed window: one counter per key for the aligned window `[now - now % period, + period)`.
+//! The cheapest algorithm, and the one whose reset instant is the same for every key.
+//!
+//! Bound: at most `count` units inside one aligned window, hence at most `2 × count` in any
+//! interval of length `period` (the end of one window and the start of the next).
+
+use super::{Micros, Quota, Rejection, Snapshot};
+
+/// The window the counter belongs to travels with it, so a stale counter is recognised (and
+/// read as 0) without a timer to reset it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct WindowState {
+    /// Start of the window `count` was taken in.
+    pub start: Micros,
+    /// Units admitted in that window.
+    pub count: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FixedWindow {
+    quota: Quota,
+    /// `quota.period`, kept > 0 so `now % period` cannot panic on a bad value.
+    period: Micros,
+}
+
+impl FixedWindow {
+    pub fn new(quota: Quota) -> Self {
+        Self {
+            quota,
+            period: quota.period.max(1),
+        }
+    }
+
+    pub fn quota(&self) -> Quota {
+        self.quota
+    }
+
+    pub fn new_state(&self) -> WindowState {
+        WindowState::default()
+    }
+
+    /// `(window start, time left in the window)`; the latter is `ws + P - now` written so
+    /// that it cannot overflow.
+    fn window(&self, now: Micros) -> (Micros, Micros) {
+        let into = now % self.period;
+        (now - into, self.period - into)
+    }
+
+    /// Units counted in the window that contains `now`.
+    fn counted(&self, state: &WindowState, now: Micros) -> u64 {
+        if state.start == self.window(now).0 {
+            state.count
+        } else {
+            0
+        }
+    }
+
+    pub fn check(
+        &self,
+        state: &WindowState,
+        now: Micros,
+        cost: u64,
+    ) -> Result<Snapshot, Rejection> {
+        let (_, to_end) = self.window(now);
+        let c = self.counted(state, now);
+        let limit = self.quota.count;
+        match c.checked_add(cost) {
+            Some(after) if after <= limit => Ok(Snapshot {
+                remaining: limit - after,
+                // Equal to peek() after the commit: a cost-0 request on an empty window
+                // leaves nothing to reset.
+                reset_after: if after > 0 { to_end } else { 0 },
+            }),
+            _ => Err(Rejection {
+                retry_after: to_end,
+                remaining: limit.saturating_sub(c),
+                reset_after: to_end,
+            }),
+        }
+    }
+
+    pub fn commit(&self, state: &mut WindowState, now: Micros, cost: u64) {
+        let (ws, _) = self.window(now);
+        if state.start != ws {
+            *state = WindowState {
+                start: ws,
+                count: 0,
+            };
+        }
+        state.count = state.count.saturating_add(cost);
+    }
+
+    pub fn peek(&self, state: &WindowState, now: Micros) -> Snapshot {
+        let c = self.counted(state, now);
+        Snapshot {
+            remaining: self.quota.count.saturating_sub(c),
+            reset_after: if c > 0 { self.window(now).1 } else { 0 },
+        }
+    }
+
+    pub fn full_at(&self, state: &WindowState) -> Micros {
+        if state.count == 0 {
+            0
+        } else {
+            state.start.saturating_add(self.period)
+        }
+    }
+
+    pub fn max_cost(&self) -> u64 {
+        self.quota.count
+    }
+
+    pub fn can_reserve(&self) -> bool {
+        false
+    }
+
+    /// No reservations: a window's capacity is not ordered in time, so there is no slot to
+    /// hold. Behaves as [`FixedWindow::check`] with no delay.
+    pub fn reserve(
+        &self,
+        state: &WindowState,
+        now: Micros,
+        cost: u64,
+        _max_delay: Micros,
+    ) -> Result<(Snapshot, Micros), Rejection> {
+        self.check(state, now, cost).map(|snapshot| (snapshot, 0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::{self, Event};
+    use super::super::{Algorithm, Quota, Rejection, Snapshot};
+    use super::*;
+    use proptest::prelude::*;
+
+    /// 3 per 1000µs.
+    fn three_per_ms() -> FixedWindow {
+        FixedWindow::new(Quota {
+            count: 3,
+            period: 1000,
+            burst: 3,
+        })
+    }
+
+    fn take(f: &FixedWindow, s: &mut WindowState, now: Micros, cost: u64) -> Snapshot {
+        let snapshot = f.check(s, now, cost).expect("admitted");
+        f.commit(s, now, cost);
+        snapshot
+    }
+
+    #[test]
+    fn fresh_key_admits_count_then_rejects_until_the_boundary() {
+        let f = three_per_ms();
+        let mut s = f.new_state();
+        for i in 1..=3 {
+            assert_eq!(
+                take(&f, &mut s, 2500, 1),
+                Snapshot {
+                    remaining: 3 - i,
+                    reset_after: 500,
+                }
+            );
+        }
+        assert_eq!(
+            f.check(&s, 2500, 1),
+            Err(Rejection {
+                retry_after: 500,
+                remaining: 0,
+                reset_after: 500,
+            })
+        );
+        assert_eq!(f.check(&s, 2999, 1).unwrap_err().retry_after, 1);
+        assert_eq!(
+            take(&f, &mut s, 3000, 1),
+            Snapshot {
+                remaining: 2,
+                reset_after: 1000,
+            }
+        );
+        assert_eq!(
+            s,
+            WindowState {
+                start: 3000,
+                count: 1,
+            }
+        );
+    }
+
+    #[test]
+    fn cost_above_one_and_boundary_burst() {
+        let f = three_per_ms();
+        let mut s = f.new_state();
+        take(&f, &mut s, 1999, 2);
+        assert_eq!(
+            f.check(&s, 1999, 2),
+            Err(Rejection {
+                retry_after: 1,
+                remaining: 1,
+                reset_after: 1,
+            })
+        );
+        // The next window is empty: 2 + 3 units within 2µs, the 2 × count boundary case.
+        assert_eq!(take(&f, &mut s, 2000, 3).remaining, 0);
+        assert!(f.check(&f.new_state(), 0, 4).is_err());
+    }
+
+    #[test]
+    fn check_never_mutates_peek_and_full_at() {
+        let f = three_per_ms();
+        let s = WindowState {
+            start: 4000,
+            count: 2,
+        };
+        let before = s;
+        assert!(f.check(&s, 4100, 1).is_ok());
+        assert_eq!(s, before);
+        assert_eq!(
+            f.peek(&s, 4100),
+            Snapshot {
+                remaining: 1,
+                reset_after: 900,
+            }
+        );
+        assert_eq!(f.full_at(&s), 5000);
+        let fresh = f.new_state();
+        assert_eq!(
+            f.peek(&fresh, 4100),
+            Snapshot {
+                remaining: 3,
+                reset_after: 0
+            }
+        );
+        for now in [5000, 5001, 99_999] {
+            assert_eq!(f.peek(&s, now), f.peek(&fresh, now));
+            for cost in 0..=4 {
+                assert_eq!(f.check(&s, now, cost), f.check(&fresh, now, cost));
+            }
+        }
+        assert_ne!(f.peek(&s, 4999), f.peek(&fresh, 4999));
+        assert_eq!(
+            f.full_at(&WindowState {
+                start: 4000,
+                count: 0
+            }),
+            0
+        );
+    }
+
+    #[test]
+    fn reserve_is_check_without_delay() {
+        let f = three_per_ms();
+        let s = WindowState { start: 0, count: 3 };
+        assert!(!f.can_reserve());
+        assert_eq!(
+            f.reserve(&s, 10, 1, u64::MAX),
+            Err(f.check(&s, 10, 1).unwrap_err())
+        );
+        assert_eq!(
+            f.reserve(&s, 1000, 1, 0),
+            Ok((f.check(&s, 1000, 1).unwrap(), 0))
+        );
+    }
+
+    #[test]
+    fn extreme_inputs_do_not_panic() {
+        for (count, period) in [(u64::MAX, u64::MAX), (1, u64::MAX), (0, 0), (u64::MAX, 1)] {
+            let f = FixedWindow::new(Quota {
+                count,
+                period,
+                burst: 1,
+            });
+            let mut s = WindowState {
+                start: u64::MAX,
+                count: u64::MAX,
+            };
+            for now in [0, 1, u64::MAX - 1, u64::MAX] {
+                for cost in [0, 1, u64::MAX] {
+                    let _ = f.check(&s, now, cost);
+                    let _ = f.peek(&s, now);
+                    let _ = f.full_at(&s);
+                    f.commit(&mut s, now, cost);
+                }
+            }
+        }
+    }
+
+    fn case() -> impl Strategy<Value = (Quota, Vec<Event>)> {
+        testkit::quota().prop_flat_map(|q| (Just(q), testkit::timeline(q, q.count)))
+    }
+
+    proptest! {
+        #[test]
+        fn prop_bound_retry_after_and_eviction((q, events) in case()) {
+            let admitted = testkit::simulate(&Algorithm::FixedWindow(FixedWindow::new(q)), &events);
+            let per_window = testkit::max_per_window(&admitted, q.period);
+            prop_assert!(per_window <= q.count, "{per_window} in one window, count {}", q.count);
+            let most = testkit::max_in_interval(&admitted, q.period, true);
+            prop_assert!(most <= 2 * q.count, "{most} in a closed period, count {}", q.count);
+        }
+    }
+}

@@ -1,0 +1,514 @@
+-- lib.lua: the four algorithms on Redis keys. Not a script by itself: script.rs sends
+-- `lib.lua .. decide.lua` (or refund.lua, peek.lua) as one script, so the three entry points
+-- share one copy of the arithmetic.
+--
+-- Every function mirrors src/limit/algorithm/*.rs step for step: same integer formulas, same
+-- order, same rounding. Lua 5.1 numbers are doubles, exact up to 2^53; script.rs refuses
+-- parameters that could leave that range (µs since 1970 are ~1.7e15), and the one product
+-- that can exceed it (sliding_window's count × period) goes through muldiv below.
+--
+-- Per-limit parameters (6 ARGV values, in this order):
+--   algo       1 gcra | 2 fixed_window | 3 sliding_window | 4 sliding_log
+--   count      units per period (> 0)
+--   period     µs (> 0)
+--   burst      gcra: units takeable at once from a full bucket; ignored by the others
+--   cost       units this request takes
+--   max_delay  gcra: admit with a delay up to this many µs (0 = never); ignored by the others
+-- Keys per limit: sliding_log 2 (zset of entries, hash {sum, seq}); the others 1
+-- (gcra: string = tat; fixed_window: hash {s, c}; sliding_window: hash {s, c, p}).
+
+local EXACT = 9007199254740992 -- 2^53
+
+-- floor(a / b) for integers, corrected for the rounding of the double quotient.
+local function fdiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then
+    q = q - 1
+  elseif (q + 1) * b <= a then
+    q = q + 1
+  end
+  return q
+end
+
+-- floor(a * b / c) and the remainder, exact whenever the quotient is below 2^53 even if
+-- a * b is not. Beyond 2^53 it splits a and b by c and multiplies the remainders by
+-- doubling, keeping every intermediate value below c.
+local function muldiv(a, b, c)
+  local p = a * b
+  if p < EXACT then
+    local q = fdiv(p, c)
+    return q, p - q * c
+  end
+  local qa = fdiv(a, c)
+  local ra = a - qa * c
+  local qb = fdiv(b, c)
+  local rb = b - qb * c
+  local bits = {}
+  while rb > 0 do
+    local h = fdiv(rb, 2)
+    bits[#bits + 1] = rb - 2 * h
+    rb = h
+  end
+  local q, r = 0, 0
+  for i = #bits, 1, -1 do
+    q = 2 * q
+    if r >= c - r then
+      r = r - (c - r)
+      q = q + 1
+    else
+      r = r + r
+    end
+    if bits[i] == 1 then
+      if r >= c - ra then
+        r = r - (c - ra)
+        q = q + 1
+      else
+        r = r + ra
+      end
+    end
+  end
+  return qa * b + ra * qb + q, r
+end
+
+-- Integers as Redis arguments: tostring(1.7e15) would print "1.7e+15".
+local function fmt(x)
+  return string.format('%.0f', x)
+end
+
+local function num(v)
+  return tonumber(v) or 0
+end
+
+-- The clock: Redis's own (so instances with skewed clocks agree), unless a test overrides it.
+local function clock(override)
+  local now = tonumber(override)
+  if now and now >= 0 then
+    return now
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Keys live until their state is back to full, so idle keys cost no memory. A key already
+-- full is deleted rather than kept for a millisecond.
+local function expire(keys, full_at, now, floor_ms)
+  if full_at <= now then
+    for _, k in ipairs(keys) do
+      redis.call('DEL', k)
+    end
+    return
+  end
+  local ms = math.max(1, fdiv(full_at - now + 999, 1000), floor_ms)
+  for _, k in ipairs(keys) do
+    redis.call('PEXPIRE', k, ms)
+  end
+end
+
+-- Reads `n` limits from ARGV starting after index `at`, taking their keys from KEYS in order.
+local function read_limits(n, at)
+  local limits, k = {}, 1
+  for i = 1, n do
+    local b = at + (i - 1) * 6
+    local l = {
+      algo = tonumber(ARGV[b + 1]),
+      count = tonumber(ARGV[b + 2]),
+      period = tonumber(ARGV[b + 3]),
+      burst = tonumber(ARGV[b + 4]),
+      cost = tonumber(ARGV[b + 5]),
+      max_delay = tonumber(ARGV[b + 6]),
+      keys = { KEYS[k] },
+    }
+    if l.algo == 4 then
+      l.keys[2] = KEYS[k + 1]
+      k = k + 2
+    else
+      k = k + 1
+    end
+    if not (l.algo and l.count and l.period and l.burst and l.cost and l.max_delay) then
+      error('tollgate: malformed arguments for limit ' .. i)
+    end
+    if l.algo < 1 or l.algo > 4 then
+      error('tollgate: unknown algorithm ' .. tostring(l.algo))
+    end
+    if l.keys[#l.keys] == nil then
+      error('tollgate: missing key for limit ' .. i)
+    end
+    limits[i] = l
+  end
+  return limits
+end
+
+-- Each algorithm: load(l) -> state; check(l, s, now) -> admitted, remaining, reset_after,
+-- retry_after_or_delay; commit(l, s, now, floor_ms) writes what check decided;
+-- peek(l, s, now) -> remaining, reset_after; refund(l, at, now, floor_ms) undoes one commit
+-- made at `at`.
+local ALG = {}
+
+-- gcra -------------------------------------------------------------------------------------
+
+local function gcra_consts(l)
+  local t = math.max(1, fdiv(l.period + math.max(1, l.count) - 1, math.max(1, l.count)))
+  return t, t * l.burst
+end
+
+ALG[1] = {
+  load = function(l)
+    local t, tau = gcra_consts(l)
+    return { tat = num(redis.call('GET', l.keys[1])), t = t, tau = tau }
+  end,
+  check = function(l, s, now)
+    local function takeable(ahead)
+      return fdiv(s.tau - math.min(ahead, s.tau), s.t)
+    end
+    local base = math.max(s.tat, now)
+    local new_tat = base + s.t * l.cost
+    local allow_at = math.max(0, new_tat - s.tau)
+    s.new_tat = new_tat
+    if allow_at > now then
+      local wait = allow_at - now
+      if wait <= l.max_delay and l.cost <= l.burst then
+        return 1, 0, new_tat - now, wait
+      end
+      return 0, takeable(base - now), base - now, wait
+    end
+    return 1, takeable(new_tat - now), new_tat - now, 0
+  end,
+  commit = function(l, s, now, floor_ms)
+    local tat = s.new_tat
+    if tat <= now then
+      redis.call('DEL', l.keys[1])
+    else
+      local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
+      redis.call('SET', l.keys[1], fmt(tat), 'PX', ms)
+    end
+  end,
+  peek = function(l, s, now)
+    local ahead = math.max(s.tat, now) - now
+    return fdiv(s.tau - math.min(ahead, s.tau), s.t), ahead
+  end,
+  -- TAT arithmetic is additive, so taking the request's emission back is exact unless the
+  -- bucket drained completely between commit and refund (then it returns at most `cost`).
+  refund = function(l, _, now, floor_ms)
+    local s = ALG[1].load(l)
+    if s.tat == 0 then
+      return 0
+    end
+    s.new_tat = s.tat - s.t * l.cost
+    ALG[1].commit(l, s, now, floor_ms)
+    return 1
+  end,
+}
+
+-- fixed_window -----------------------------------------------------------------------------
+
+local function window(period, now)
+  local into = now - fdiv(now, period) * period
+  return now - into, period - into
+end
+
+ALG[2] = {
+  load = function(l)
+    local v = redis.call('HMGET', l.keys[1], 's', 'c')
+    return { start = num(v[1]), count = num(v[2]), period = math.max(1, l.period) }
+  end,
+  check = function(l, s, now)
+    local ws, to_end = window(s.period, now)
+    local c = (s.start == ws) and s.count or 0
+    if c + l.cost > l.count then
+      return 0, math.max(0, l.count - c), to_end, to_end
+    end
+    local reset = 0
+    if c + l.cost > 0 then
+      reset = to_end
+    end
+    return 1, l.count - c - l.cost, reset, 0
+  end,
+  commit = function(l, s, now, floor_ms)
+    local ws = window(s.period, now)
+    if s.start ~= ws then
+      s.start, s.count = ws, 0
+    end
+    s.count = s.count + l.cost
+    if s.count == 0 then
+      redis.call('DEL', l.keys[1])
+      return
+    end
+    redis.call('HSET', l.keys[1], 's', fmt(s.start), 'c', fmt(s.count))
+    expire(l.keys, s.start + s.period, now, floor_ms)
+  end,
+  peek = function(l, s, now)
+    local ws, to_end = window(s.period, now)
+    local c = (s.start == ws) and s.count or 0
+    if c > 0 then
+      return math.max(0, l.count - c), to_end
+    end
+    return math.max(0, l.count - c), 0
+  end,
+  -- Only the window the units were taken in holds them; once it has passed there is
+  -- nothing left to give back.
+  refund = function(l, at, _, _)
+    local s = ALG[2].load(l)
+    if s.count == 0 or s.start ~= window(s.period, at) then
+      return 0
+    end
+    local c = math.max(0, s.count - l.cost)
+    if c == 0 then
+      redis.call('DEL', l.keys[1])
+    else
+      redis.call('HSET', l.keys[1], 'c', fmt(c))
+    end
+    return 1
+  end,
+}
+
+-- sliding_window ---------------------------------------------------------------------------
+
+local function sw_normalise(l, s, now)
+  local ws, to_end = window(s.period, now)
+  local prev, curr = 0, 0
+  if s.start == ws then
+    prev, curr = s.prev, s.curr
+  elseif s.start + s.period == ws then
+    prev, curr = s.curr, 0
+  end
+  -- weight = ceil(prev * to_end / period): prev's share still inside the sliding period, in
+  -- units rounded up. Every comparison with count × period reduces to one with weight, which
+  -- keeps the numbers small (the Rust code compares the products in u128).
+  local q, r = muldiv(prev, to_end, s.period)
+  if r > 0 then
+    q = q + 1
+  end
+  return { ws = ws, to_end = to_end, prev = prev, curr = curr, weight = q }
+end
+
+-- Whole units takeable with `curr` units in the current window.
+local function sw_remaining(l, n, curr)
+  if curr > l.count then
+    return 0
+  end
+  return math.max(0, l.count - curr - n.weight)
+end
+
+local function sw_reset_after(s, n, prev, curr)
+  if curr > 0 then
+    return n.to_end + s.period
+  elseif prev > 0 then
+    return n.to_end
+  end
+  return 0
+end
+
+-- The smallest d >= 1 at which the same request is admitted if nothing else is.
+local function sw_retry_after(l, s, n)
+  local a = l.count - n.curr - l.cost
+  -- (a) later in this window, while prev's weight falls: x < to_end  <=>  a < weight.
+  if a >= 0 and n.prev > 0 and a < n.weight then
+    local x = muldiv(a, s.period, n.prev)
+    if x >= 1 then
+      return n.to_end - x
+    end
+  end
+  -- (b) e µs into the next window, where curr has become prev.
+  local e = 0
+  local b = math.max(0, l.count - l.cost)
+  if n.curr > 0 and b < n.curr then
+    e = s.period - muldiv(b, s.period, n.curr)
+  end
+  return n.to_end + e
+end
+
+ALG[3] = {
+  load = function(l)
+    local v = redis.call('HMGET', l.keys[1], 's', 'c', 'p')
+    return { start = num(v[1]), curr = num(v[2]), prev = num(v[3]), period = math.max(1, l.period) }
+  end,
+  check = function(l, s, now)
+    local n = sw_normalise(l, s, now)
+    s.n = n
+    local after = n.curr + l.cost
+    if after <= l.count and n.weight <= l.count - after then
+      return 1, l.count - after - n.weight, sw_reset_after(s, n, n.prev, after), 0
+    end
+    return 0, sw_remaining(l, n, n.curr), sw_reset_after(s, n, n.prev, n.curr), sw_retry_after(l, s, n)
+  end,
+  commit = function(l, s, now, floor_ms)
+    local n = s.n or sw_normalise(l, s, now)
+    local curr = n.curr + l.cost
+    local full_at = 0
+    if curr > 0 then
+      full_at = n.ws + 2 * s.period
+    elseif n.prev > 0 then
+      full_at = n.ws + s.period
+    end
+    if full_at <= now then
+      redis.call('DEL', l.keys[1])
+      return
+    end
+    redis.call('HSET', l.keys[1], 's', fmt(n.ws), 'c', fmt(curr), 'p', fmt(n.prev))
+    expire(l.keys, full_at, now, floor_ms)
+  end,
+  peek = function(l, s, now)
+    local n = sw_normalise(l, s, now)
+    return sw_remaining(l, n, n.curr), sw_reset_after(s, n, n.prev, n.curr)
+  end,
+  -- The units sit in `curr` of the window they were taken in, or in `prev` once a later
+  -- commit has rolled that window back by one.
+  refund = function(l, at, now, floor_ms)
+    local s = ALG[3].load(l)
+    local ws = window(s.period, at)
+    if s.start == ws and s.curr > 0 then
+      s.curr = math.max(0, s.curr - l.cost)
+    elseif s.start == ws + s.period and s.prev > 0 then
+      s.prev = math.max(0, s.prev - l.cost)
+    else
+      return 0
+    end
+    local full_at = 0
+    if s.curr > 0 then
+      full_at = s.start + 2 * s.period
+    elseif s.prev > 0 then
+      full_at = s.start + s.period
+    end
+    if full_at <= now then
+      redis.call('DEL', l.keys[1])
+    else
+      redis.call('HSET', l.keys[1], 'c', fmt(s.curr), 'p', fmt(s.prev))
+      expire(l.keys, full_at, now, floor_ms)
+    end
+    return 1
+  end,
+}
+
+-- sliding_log ------------------------------------------------------------------------------
+-- Entries are zset members "<seq>:<cost>" scored by their timestamp; the hash keeps the
+-- running sum (expired entries included until a commit drops them) and the seq counter that
+-- keeps members unique. The Rust log merges entries of one instant; separate members with
+-- equal scores decide identically.
+
+local function entry_cost(member)
+  return tonumber(string.match(member, ':(%d+)$')) or 0
+end
+
+local function log_last_ts(l)
+  local last = redis.call('ZRANGE', l.keys[1], -1, -1, 'WITHSCORES')
+  if #last == 0 then
+    return nil
+  end
+  return tonumber(last[2])
+end
+
+local function log_reset_after(l, s, now)
+  local last = log_last_ts(l)
+  if last == nil then
+    return 0
+  end
+  return math.max(0, last + l.period - now)
+end
+
+ALG[4] = {
+  load = function(l)
+    return { sum = num(redis.call('HGET', l.keys[2], 'sum')) }
+  end,
+  -- used = sum minus the expired entries (ts + period <= now), which only a commit drops.
+  live = function(l, s, now)
+    local cutoff = now - l.period
+    local expired = redis.call('ZRANGEBYSCORE', l.keys[1], '-inf', fmt(cutoff))
+    local gone = 0
+    for _, m in ipairs(expired) do
+      gone = gone + entry_cost(m)
+    end
+    s.expired = #expired
+    s.used = math.max(0, s.sum - gone)
+    s.cutoff = cutoff
+  end,
+  check = function(l, s, now)
+    ALG[4].live(l, s, now)
+    if s.used + l.cost <= l.count then
+      if l.cost > 0 then
+        return 1, l.count - s.used - l.cost, l.period, 0
+      end
+      return 1, l.count - s.used, log_reset_after(l, s, now), 0
+    end
+    -- The request fits once the oldest `need` live units have expired.
+    local need = s.used + l.cost - l.count
+    local freed, offset, retry = 0, 0, nil
+    while retry == nil do
+      local page = redis.call('ZRANGEBYSCORE', l.keys[1], '(' .. fmt(s.cutoff), '+inf',
+        'WITHSCORES', 'LIMIT', offset, 128)
+      if #page == 0 then
+        break
+      end
+      for i = 1, #page, 2 do
+        freed = freed + entry_cost(page[i])
+        if freed >= need then
+          retry = math.max(0, tonumber(page[i + 1]) + l.period - now)
+          break
+        end
+      end
+      offset = offset + #page / 2
+    end
+    if retry == nil then
+      -- Only for cost > count, which never fits: any positive answer is as good.
+      retry = math.max(1, l.period)
+    end
+    return 0, math.max(0, l.count - s.used), log_reset_after(l, s, now), retry
+  end,
+  commit = function(l, s, now, floor_ms)
+    if s.used == nil then
+      ALG[4].live(l, s, now)
+    end
+    if s.expired > 0 then
+      redis.call('ZREMRANGEBYSCORE', l.keys[1], '-inf', fmt(s.cutoff))
+    end
+    local sum = s.used
+    local last = log_last_ts(l)
+    if l.cost > 0 then
+      -- Should the clock step back, the units are recorded at the later instant, which
+      -- keeps timestamps ordered and errs towards limiting (as the Rust log does).
+      local ts = now
+      if last ~= nil and last > now then
+        ts = last
+      end
+      local seq = redis.call('HINCRBY', l.keys[2], 'seq', 1)
+      redis.call('ZADD', l.keys[1], fmt(ts), fmt(seq) .. ':' .. fmt(l.cost))
+      sum = sum + l.cost
+      last = ts
+    end
+    if last == nil then
+      redis.call('DEL', l.keys[1], l.keys[2])
+      return
+    end
+    redis.call('HSET', l.keys[2], 'sum', fmt(sum))
+    expire(l.keys, last + l.period, now, floor_ms)
+  end,
+  peek = function(l, s, now)
+    ALG[4].live(l, s, now)
+    return math.max(0, l.count - s.used), log_reset_after(l, s, now)
+  end,
+  -- Removes one entry of this cost recorded at or after `at`: the request's own, or one
+  -- indistinguishable from it (a later one only makes the log stricter).
+  refund = function(l, at, now, floor_ms)
+    local offset = 0
+    while true do
+      local page = redis.call('ZRANGEBYSCORE', l.keys[1], fmt(at), '+inf', 'LIMIT', offset, 128)
+      if #page == 0 then
+        return 0
+      end
+      for _, m in ipairs(page) do
+        if entry_cost(m) == l.cost then
+          redis.call('ZREM', l.keys[1], m)
+          local sum = math.max(0, num(redis.call('HGET', l.keys[2], 'sum')) - l.cost)
+          local last = log_last_ts(l)
+          if last == nil then
+            redis.call('DEL', l.keys[1], l.keys[2])
+          else
+            redis.call('HSET', l.keys[2], 'sum', fmt(sum))
+            expire(l.keys, last + l.period, now, floor_ms)
+          end
+          return 1
+        end
+      end
+      offset = offset + #page
+    end
+  end,
+}

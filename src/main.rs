@@ -1,0 +1,139 @@
+//! The `tollgate` binary: command line → logging → library; errors → exit codes.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use tollgate::app::{App, Options};
+
+#[derive(Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    about = "A rate-limiting HTTP reverse proxy"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve (the default).
+    Run(RunArgs),
+    /// Validate the config, print a summary, exit 0; on error print PATH:LINE:COL: message, exit 1.
+    Check {
+        #[arg(long, default_value = "routes.yaml")]
+        config: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Clone)]
+struct RunArgs {
+    /// The routes file.
+    #[arg(long, default_value = "routes.yaml")]
+    config: PathBuf,
+    /// Proxy listener address (overrides server.listen).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Admin listener address (overrides server.admin).
+    #[arg(long)]
+    admin: Option<SocketAddr>,
+    /// Log line format (stderr).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Check { config }) => check(&config),
+        Some(Command::Run(args)) => run(args),
+        None => run(cli.run),
+    }
+}
+
+fn check(path: &std::path::Path) -> ExitCode {
+    match tollgate::config::load(path) {
+        Ok(cfg) => {
+            print!("{}", tollgate::config::summary(&cfg));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn run(args: RunArgs) -> ExitCode {
+    init_logging(args.log_format);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tollgate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(serve(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: RunArgs) -> anyhow::Result<()> {
+    let app = App::from_file(Options {
+        config_path: Some(args.config),
+        listen: args.listen,
+        admin: args.admin,
+    })
+    .await?;
+    tracing::info!(proxy = %app.proxy_addr(), admin = %app.admin_addr(), "tollgate listening");
+    app.run(shutdown_signal()).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutdown requested: draining");
+}

@@ -1,0 +1,414 @@
+//! Every `tollgate_*` metric, registered once per process.
+//!
+//! Label sets hold route, limit, status, scope, kind and result names only — never a client
+//! key, IP or raw path — so cardinality is bounded by the config, not by traffic.
+//! The request path never looks a metric up by label: routes and limits keep handles
+//! ([`RouteMetrics`], [`LimitMetrics`]) resolved when the config is built, and histograms are
+//! lock-free ([`AtomicHistogram`]) because prometheus-client's own takes a mutex per observation.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::Registry;
+
+/// Seconds; from 100 µs (a local decision with headroom) to 30 s (the default route timeout).
+const LATENCY_BUCKETS: [f64; 16] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    10.0, 30.0,
+];
+
+/// A Prometheus histogram whose observation is a handful of relaxed atomic adds.
+#[derive(Debug)]
+pub struct AtomicHistogram {
+    bounds: &'static [f64],
+    /// Per-bucket counts (not cumulative), one more than `bounds` for +Inf.
+    counts: Box<[AtomicU64]>,
+    sum_nanos: AtomicU64,
+}
+
+impl AtomicHistogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let i = self
+            .bounds
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.counts.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+}
+
+/// Shared handle, so a `Family` can hand out clones that observe into one histogram.
+#[derive(Clone, Debug)]
+pub struct Histogram(Arc<AtomicHistogram>);
+
+impl Histogram {
+    fn latency() -> Self {
+        Self(Arc::new(AtomicHistogram::new(&LATENCY_BUCKETS)))
+    }
+    pub fn observe(&self, d: Duration) {
+        self.0.observe(d)
+    }
+    pub fn count(&self) -> u64 {
+        self.0.count()
+    }
+}
+
+impl TypedMetric for Histogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Histogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let h = &self.0;
+        let mut buckets = Vec::with_capacity(h.counts.len());
+        let mut count = 0;
+        for (i, c) in h.counts.iter().enumerate() {
+            let n = c.load(Ordering::Relaxed);
+            count += n;
+            let bound = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
+            buckets.push((bound, n));
+        }
+        let sum = h.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteStatus {
+    route: String,
+    status: u16,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLimit {
+    route: String,
+    limit: String,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLimitDecision {
+    route: String,
+    limit: String,
+    decision: &'static str,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScopeLabel {
+    scope: &'static str,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabel {
+    scope: &'static str,
+    tier: &'static str,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// The process's metrics. Cheap to share (`Arc`); families are internally synchronised.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RouteStatus, Counter>,
+    decisions: Family<RouteLimitDecision, Counter>,
+    request_duration: HistogramFamily<RouteLabel>,
+    upstream_duration: HistogramFamily<RouteLabel>,
+    limiter_duration: HistogramFamily<ScopeLabel>,
+    decisions_by_tier: Family<TierLabel, Counter>,
+    redis_errors: Family<KindLabel, Counter>,
+    fallback: Family<RouteLimit, Counter>,
+    reloads: Family<ResultLabel, Counter>,
+    delay: HistogramFamily<RouteLimit>,
+    waiters_abandoned: Family<RouteLimit, Counter>,
+    local_keys: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::default();
+        let decisions = Family::default();
+        let request_duration: HistogramFamily<RouteLabel> =
+            Family::new_with_constructor(Histogram::latency);
+        let upstream_duration: HistogramFamily<RouteLabel> =
+            Family::new_with_constructor(Histogram::latency);
+        let limiter_duration: HistogramFamily<ScopeLabel> =
+            Family::new_with_constructor(Histogram::latency);
+        let decisions_by_tier = Family::default();
+        let redis_errors = Family::default();
+        let fallback = Family::default();
+        let reloads = Family::default();
+        let delay: HistogramFamily<RouteLimit> = Family::new_with_constructor(Histogram::latency);
+        let waiters_abandoned = Family::default();
+        let local_keys = Gauge::default();
+        // prometheus-client appends `_total` to counters and `_seconds` comes from the name.
+        registry.register(
+            "tollgate_requests",
+            "Requests answered, by route and HTTP status",
+            requests.clone(),
+        );
+        registry.register(
+            "tollgate_limit_decisions",
+            "Limit decisions by route, limit and decision",
+            decisions.clone(),
+        );
+        registry.register(
+            "tollgate_request_duration_seconds",
+            "Whole request, from routing to the response head",
+            request_duration.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_duration_seconds",
+            "Upstream exchange, until the response head",
+            upstream_duration.clone(),
+        );
+        registry.register(
+            "tollgate_limiter_duration_seconds",
+            "Time to decide a request's limits, by scope",
+            limiter_duration.clone(),
+        );
+        registry.register(
+            "tollgate_limiter_tier_decisions",
+            "Decisions by the tier that answered: local store, in-process tier in front of Redis, or Redis",
+            decisions_by_tier.clone(),
+        );
+        registry.register(
+            "tollgate_redis_errors",
+            "Redis failures by kind",
+            redis_errors.clone(),
+        );
+        registry.register(
+            "tollgate_fallback_decisions",
+            "Decisions taken by the on_error policy because Redis could not answer",
+            fallback.clone(),
+        );
+        registry.register(
+            "tollgate_config_reloads",
+            "Config reloads by result",
+            reloads.clone(),
+        );
+        registry.register(
+            "tollgate_delay_seconds",
+            "Delay given to requests that waited for a reserved slot",
+            delay.clone(),
+        );
+        registry.register(
+            "tollgate_delayed_abandoned",
+            "Delayed requests whose client went away while waiting (their slot stays consumed)",
+            waiters_abandoned.clone(),
+        );
+        registry.register(
+            "tollgate_local_keys",
+            "Keys held by the in-process limit stores",
+            local_keys.clone(),
+        );
+        // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
+        for kind in ["timeout", "connection", "script", "protocol", "unavailable"] {
+            redis_errors.get_or_create(&KindLabel { kind });
+        }
+        for result in ["success", "error"] {
+            reloads.get_or_create(&ResultLabel { result });
+        }
+        Self {
+            registry,
+            requests,
+            decisions,
+            request_duration,
+            upstream_duration,
+            limiter_duration,
+            decisions_by_tier,
+            redis_errors,
+            fallback,
+            reloads,
+            delay,
+            waiters_abandoned,
+            local_keys,
+        }
+    }
+
+    /// Prometheus text exposition (OpenMetrics flavour, which Prometheus scrapes natively).
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(16 * 1024);
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        let label = RouteLabel {
+            route: route.to_owned(),
+        };
+        RouteMetrics {
+            route: route.to_owned(),
+            requests: self.requests.clone(),
+            statuses: (0..STATUS_SLOTS).map(|_| OnceLock::new()).collect(),
+            request_duration: self.request_duration.get_or_create_owned(&label),
+            upstream_duration: self.upstream_duration.get_or_create_owned(&label),
+        }
+    }
+
+    pub fn limit(&self, route: &str, limit: &str) -> LimitMetrics {
+        let d = |decision| {
+            self.decisions.get_or_create_owned(&RouteLimitDecision {
+                route: route.to_owned(),
+                limit: limit.to_owned(),
+                decision,
+            })
+        };
+        let rl = RouteLimit {
+            route: route.to_owned(),
+            limit: limit.to_owned(),
+        };
+        LimitMetrics {
+            allowed: d("allowed"),
+            rejected: d("rejected"),
+            delayed: d("delayed"),
+            shadow_rejected: d("shadow_rejected"),
+            fallback: self.fallback.get_or_create_owned(&rl),
+            delay: self.delay.get_or_create_owned(&rl),
+            abandoned: self.waiters_abandoned.get_or_create_owned(&rl),
+        }
+    }
+
+    pub fn limiter_duration(&self, scope: &'static str) -> Histogram {
+        self.limiter_duration
+            .get_or_create_owned(&ScopeLabel { scope })
+    }
+
+    pub fn tier(&self, scope: &'static str, tier: &'static str) -> Counter {
+        self.decisions_by_tier
+            .get_or_create_owned(&TierLabel { scope, tier })
+    }
+
+    pub fn redis_error(&self, kind: &'static str) {
+        self.redis_errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    pub fn reload(&self, ok: bool) {
+        let result = if ok { "success" } else { "error" };
+        self.reloads.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    pub fn set_local_keys(&self, n: usize) {
+        self.local_keys.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}
+
+/// Status codes 100..=599 get one lazily created counter each.
+const STATUS_SLOTS: usize = 500;
+
+/// A route's metric handles, resolved once per config build.
+#[derive(Debug)]
+pub struct RouteMetrics {
+    route: String,
+    requests: Family<RouteStatus, Counter>,
+    statuses: Box<[OnceLock<Counter>]>,
+    pub request_duration: Histogram,
+    pub upstream_duration: Histogram,
+}
+
+impl RouteMetrics {
+    pub fn request(&self, status: u16) {
+        let make = || {
+            self.requests.get_or_create_owned(&RouteStatus {
+                route: self.route.clone(),
+                status,
+            })
+        };
+        match self.statuses.get(usize::from(status).wrapping_sub(100)) {
+            Some(slot) => slot.get_or_init(make).inc(),
+            None => make().inc(),
+        };
+    }
+}
+
+/// A limit's metric handles, resolved once per config build.
+#[derive(Clone, Debug)]
+pub struct LimitMetrics {
+    pub allowed: Counter,
+    pub rejected: Counter,
+    pub delayed: Counter,
+    pub shadow_rejected: Counter,
+    pub fallback: Counter,
+    pub delay: Histogram,
+    pub abandoned: Counter,
+}
+
+/// The route label of requests that matched no route (an empty label value would read as "no
+/// label" to Prometheus).
+pub const UNMATCHED_ROUTE: &str = "_unmatched";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_encodes_cumulative_buckets_and_sum() {
+        let m = Metrics::new();
+        let r = m.route("users");
+        r.request_duration.observe(Duration::from_micros(50));
+        r.request_duration.observe(Duration::from_millis(3));
+        r.request(200);
+        r.request(429);
+        r.request(429);
+        let text = m.encode();
+        assert!(
+            text.contains(
+                "tollgate_request_duration_seconds_bucket{le=\"0.0001\",route=\"users\"} 1"
+            ) || text.contains(
+                "tollgate_request_duration_seconds_bucket{route=\"users\",le=\"0.0001\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("tollgate_request_duration_seconds_count{route=\"users\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tollgate_requests_total{route=\"users\",status=\"429\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tollgate_requests_total{route=\"users\",status=\"200\"} 1"),
+            "{text}"
+        );
+    }
+}

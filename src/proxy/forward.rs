@@ -1,0 +1,95 @@
+//! Forwarding an admitted request to the route's upstream over a pooled connection.
+//!
+//! The request body streams through untouched; the upstream request is rewritten only where a
+//! proxy must: absolute-form URI for the pooled client, HTTP/1.1 to the upstream, hop-by-hop
+//! fields removed, `X-Forwarded-*` set, `Host` kept or replaced per `preserve_host`. The route's
+//! `timeout` bounds the wait for the upstream's response head: past it, 504.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use http::header::HOST;
+use http::{HeaderValue, Request, Response, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::{Body, Proxy, headers, response};
+use crate::runtime::{Route, Runtime};
+
+pub type Client = hyper_util::client::legacy::Client<HttpConnector, Body>;
+
+/// A pooled HTTP/1.1 client: keep-alive to upstreams, no Nagle delay.
+pub fn client() -> Client {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    http.set_connect_timeout(Some(Duration::from_secs(5)));
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .build(http)
+}
+
+pub async fn forward(
+    proxy: &Proxy,
+    route: &Route,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    _client_ip: IpAddr,
+    rt: &Runtime,
+) -> Response<Body> {
+    let upstream = route.pick_upstream();
+    let (mut parts, body) = req.into_parts();
+    let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let Ok(uri) = upstream.target(pq) else {
+        return response::bad_request("request target cannot be forwarded");
+    };
+    let client_host = parts.headers.get(HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    });
+    headers::strip_hop_by_hop(&mut parts.headers, false);
+    match client_host {
+        Some(h) => {
+            parts.headers.insert(HOST, h);
+        }
+        None => {
+            parts.headers.remove(HOST);
+        }
+    }
+    let peer_trusted = rt
+        .trusted_proxies
+        .iter()
+        .any(|n| n.contains(&peer.ip().to_canonical()));
+    headers::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, proxy.proto);
+    if !route.preserve_host {
+        // The pooled client fills Host from the absolute URI when it is absent.
+        parts.headers.remove(HOST);
+    }
+    parts.uri = uri;
+    parts.version = Version::HTTP_11;
+    let upstream_req = Request::from_parts(parts, body.boxed());
+
+    let started = Instant::now();
+    let result = tokio::time::timeout(route.timeout, proxy.client.request(upstream_req)).await;
+    route.metrics.upstream_duration.observe(started.elapsed());
+    match result {
+        Ok(Ok(resp)) => {
+            let (mut parts, body) = resp.into_parts();
+            headers::strip_hop_by_hop(&mut parts.headers, false);
+            Response::from_parts(parts, body.boxed())
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(route = %route.name, error = %e, "upstream request failed");
+            response::bad_gateway(&route.name)
+        }
+        Err(_) => {
+            tracing::warn!(route = %route.name, timeout = ?route.timeout, "upstream timed out");
+            response::gateway_timeout(&route.name)
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! Header rewriting between client and upstream: hop-by-hop removal (RFC 9110 §7.6.1) and the
+//! `X-Forwarded-*` fields.
+
+use std::net::IpAddr;
+
+use http::header::{CONNECTION, HOST};
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// Connection-specific fields that never cross a proxy, besides those `Connection` names.
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authorization",
+];
+
+static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Removes the hop-by-hop fields, including every field the `Connection` header names.
+/// `keep_upgrade`: an upgrade being passed through keeps `Connection: upgrade` and `Upgrade`.
+pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
+    let named: Vec<HeaderName> = h
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .filter(|n| !(keep_upgrade && n == "upgrade"))
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in HOP_BY_HOP {
+        if keep_upgrade && (n == "connection" || n == "upgrade") {
+            continue;
+        }
+        h.remove(n);
+    }
+    // "proxy-authenticate" is hop-by-hop too but only meaningful on responses from a proxy.
+    h.remove("proxy-authenticate");
+    if keep_upgrade {
+        h.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+}
+
+/// Sets `X-Forwarded-For` (the peer appended to what came in), `-Proto` and `-Host`.
+/// `-Proto`/`-Host` from the client are kept only when the peer is a trusted proxy.
+pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto: &'static str) {
+    let peer = peer.to_canonical().to_string();
+    let xff = match h.get(&XFF).and_then(|v| v.to_str().ok()) {
+        Some(prev) if !prev.trim().is_empty() => {
+            // Several XFF lines are one comma list (RFC 9110 §5.3).
+            let all: Vec<&str> = h
+                .get_all(&XFF)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            format!("{}, {peer}", all.join(", "))
+        }
+        _ => peer,
+    };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        h.insert(&XFF, v);
+    }
+    if !(peer_trusted && h.contains_key(&XFP)) {
+        h.insert(&XFP, HeaderValue::from_static(proto));
+    }
+    if !(peer_trusted && h.contains_key(&XFH)) {
+        if let Some(host) = h.get(HOST).cloned() {
+            h.insert(&XFH, host);
+        } else {
+            h.remove(&XFH);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_listed_and_standard_hop_by_hop_fields() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("upgrade", HeaderValue::from_static("h2c"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn forwarded_fields_from_untrusted_peer_are_replaced() {
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("api.example.com"));
+        h.insert("x-forwarded-for", HeaderValue::from_static("1.1.1.1"));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        set_forwarded(&mut h, "9.9.9.9".parse().unwrap(), false, "http");
+        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 9.9.9.9");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "api.example.com");
+        let mut h2 = HeaderMap::new();
+        h2.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        set_forwarded(&mut h2, "10.0.0.1".parse().unwrap(), true, "http");
+        assert_eq!(h2["x-forwarded-proto"], "https");
+        assert_eq!(h2["x-forwarded-for"], "10.0.0.1");
+    }
+}

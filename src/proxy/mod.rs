@@ -1,0 +1,172 @@
+//! The per-request service: route → limits → forward, and the answer when any step says no.
+//!
+//! [`Proxy::handle`] reads one [`Runtime`] snapshot for the whole request. Limits are decided
+//! before a byte of the body is read; an admitted request's body streams to the upstream and the
+//! upstream's body streams back, neither buffered. Errors map to responses in one place each
+//! (see [`response`]).
+
+pub mod forward;
+pub mod headers;
+pub mod response;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::HOST;
+use http::{Request, Response};
+use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
+
+use crate::key::{RequestParts, client_ip};
+use crate::limit::Verdict;
+use crate::limit::clock::SharedClock;
+use crate::metrics::Metrics;
+use crate::routing::has_dot_segment;
+use crate::runtime::{Route, Runtime};
+
+/// The one body type for everything the proxy sends: upstream bodies and its own.
+pub type Body = BoxBody<Bytes, hyper::Error>;
+
+/// Everything a request needs, shared by all connections.
+pub struct Proxy {
+    pub runtime: ArcSwap<Runtime>,
+    pub metrics: Arc<Metrics>,
+    pub clock: SharedClock,
+    pub client: forward::Client,
+    /// `X-Forwarded-Proto` for requests on this listener.
+    pub proto: &'static str,
+}
+
+impl Proxy {
+    pub async fn serve(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<Response<Body>, Infallible> {
+        Ok(self.handle(req, peer).await)
+    }
+
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let started = Instant::now();
+        let rt = self.runtime.load_full();
+        let host = req
+            .headers()
+            .get(HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri().authority().map(|a| a.as_str()));
+        let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
+            let resp = response::not_found();
+            rt.unmatched.request(resp.status().as_u16());
+            return resp;
+        };
+        let route = &rt.routes[idx];
+        let resp = self.handle_route(&rt, route, req, peer).await;
+        route.metrics.request(resp.status().as_u16());
+        route.metrics.request_duration.observe(started.elapsed());
+        resp
+    }
+
+    async fn handle_route(
+        &self,
+        rt: &Runtime,
+        route: &Route,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<Body> {
+        if has_dot_segment(req.uri().path()) {
+            return response::bad_request("dot segments are not allowed in the path");
+        }
+        let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
+        let limits = &route.limits;
+        let mut waiter = None;
+        let verdict = if limits.is_empty() {
+            Verdict::Admit {
+                delay: std::time::Duration::ZERO,
+                delayed_by: None,
+                info: None,
+            }
+        } else {
+            // A slot in the route's waiter cap is taken before deciding, so a request that would
+            // have to wait past the cap is rejected without reserving anything.
+            let allow_delay = limits.can_delay && {
+                waiter = WaiterSlot::acquire(route);
+                waiter.is_some()
+            };
+            let parts = RequestParts {
+                method: req.method(),
+                uri: req.uri(),
+                headers: req.headers(),
+                client_ip: client,
+                route: &route.name,
+            };
+            limits.evaluate(&parts, self.clock.now(), allow_delay)
+        };
+        let info = match verdict {
+            Verdict::Reject { limit, rejection } => {
+                let l = &limits.limits[limit];
+                tracing::info!(route = %route.name, limit = %l.name, status = 429, "rate limited");
+                return response::too_many_requests(&route.name, l, &rejection);
+            }
+            Verdict::MissingKey { limit, part } => {
+                return response::missing_key(&route.name, &limits.limits[limit].name, &part);
+            }
+            Verdict::Admit {
+                delay,
+                delayed_by,
+                info,
+            } => {
+                if !delay.is_zero() {
+                    // Dropped (client gone) before the slot comes: the reserved slot stays
+                    // consumed, and the abandonment is counted.
+                    let guard = AbandonGuard(delayed_by.map(|i| &limits.limits[i]));
+                    tokio::time::sleep(delay).await;
+                    std::mem::forget(guard);
+                }
+                drop(waiter);
+                info
+            }
+        };
+        let mut resp = forward::forward(self, route, req, peer, client, rt).await;
+        if route.headers {
+            if let Some(info) = info {
+                response::set_ratelimit(resp.headers_mut(), &limits.limits[info.limit], &info);
+            }
+        }
+        resp
+    }
+}
+
+/// A place in a route's cap of waiting requests, released on drop.
+struct WaiterSlot<'a>(&'a Route);
+
+impl<'a> WaiterSlot<'a> {
+    fn acquire(route: &'a Route) -> Option<Self> {
+        let prev = route.waiters.fetch_add(1, Ordering::AcqRel);
+        if prev >= route.max_waiters {
+            route.waiters.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(Self(route))
+    }
+}
+
+impl Drop for WaiterSlot<'_> {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+struct AbandonGuard<'a>(Option<&'a crate::limit::Limit>);
+
+impl Drop for AbandonGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(l) = self.0 {
+            l.metrics.abandoned.inc();
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! Responses tollgate writes itself: errors with a JSON body, 429 with `Retry-After` and the
+//! IETF `RateLimit` fields (draft-ietf-httpapi-ratelimit-headers-10 syntax).
+//!
+//! One function per status keeps the JSON shape and headers in one place; a rejection's
+//! numbers come from the algorithm's [`Rejection`], never recomputed here.
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+
+use super::Body;
+use crate::limit::algorithm::{Micros, Rejection};
+use crate::limit::{HeaderInfo, Limit};
+
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+fn json(status: StatusCode, body: String) -> Response<Body> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn escape(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+pub fn not_found() -> Response<Body> {
+    json(
+        StatusCode::NOT_FOUND,
+        r#"{"error":"not_found","message":"no route matches this request"}"#.into(),
+    )
+}
+
+pub fn bad_request(message: &str) -> Response<Body> {
+    json(
+        StatusCode::BAD_REQUEST,
+        format!(r#"{{"error":"bad_request","message":{}}}"#, escape(message)),
+    )
+}
+
+pub fn missing_key(route: &str, limit: &str, part: &str) -> Response<Body> {
+    json(
+        StatusCode::BAD_REQUEST,
+        format!(
+            r#"{{"error":"missing_key","route":{},"limit":{},"part":{}}}"#,
+            escape(route),
+            escape(limit),
+            escape(part)
+        ),
+    )
+}
+
+pub fn bad_gateway(route: &str) -> Response<Body> {
+    json(
+        StatusCode::BAD_GATEWAY,
+        format!(
+            r#"{{"error":"bad_gateway","route":{},"message":"upstream not reachable"}}"#,
+            escape(route)
+        ),
+    )
+}
+
+pub fn gateway_timeout(route: &str) -> Response<Body> {
+    json(
+        StatusCode::GATEWAY_TIMEOUT,
+        format!(
+            r#"{{"error":"gateway_timeout","route":{},"message":"upstream did not answer in time"}}"#,
+            escape(route)
+        ),
+    )
+}
+
+pub fn unavailable(route: &str, limit: &str) -> Response<Body> {
+    let mut r = json(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!(
+            r#"{{"error":"limiter_unavailable","route":{},"limit":{}}}"#,
+            escape(route),
+            escape(limit)
+        ),
+    );
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
+/// Whole seconds, rounded up: a client that waits this long is admitted.
+pub fn ceil_secs(us: Micros) -> u64 {
+    us.div_ceil(1_000_000)
+}
+
+pub fn too_many_requests(route: &str, limit: &Limit, r: &Rejection) -> Response<Body> {
+    let retry_ms = r.retry_after.div_ceil(1000);
+    let mut resp = json(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!(
+            r#"{{"error":"rate_limited","route":{},"limit":{},"retry_after_ms":{}}}"#,
+            escape(route),
+            escape(&limit.name),
+            retry_ms
+        ),
+    );
+    let h = resp.headers_mut();
+    h.insert(
+        RETRY_AFTER,
+        HeaderValue::from(ceil_secs(r.retry_after).max(1)),
+    );
+    // On a rejection `t` is the time until this request would be admitted: the same as
+    // Retry-After, which is what a client reading only the RateLimit field needs.
+    set_ratelimit(
+        h,
+        limit,
+        &HeaderInfo {
+            limit: 0,
+            remaining: r.remaining,
+            reset_after: r.retry_after,
+        },
+    );
+    resp
+}
+
+/// `RateLimit-Policy: "name";q=COUNT;w=SECONDS` and `RateLimit: "name";r=REMAINING;t=SECONDS`.
+pub fn set_ratelimit(h: &mut HeaderMap, limit: &Limit, info: &HeaderInfo) {
+    h.insert(&RATELIMIT_POLICY, limit.policy.clone());
+    let v = format!(
+        "\"{}\";r={};t={}",
+        limit.name,
+        info.remaining,
+        ceil_secs(info.reset_after)
+    );
+    if let Ok(v) = HeaderValue::from_str(&v) {
+        h.insert(&RATELIMIT, v);
+    }
+}

@@ -1,0 +1,167 @@
+//! The running config: everything the request path reads, built aside and swapped in whole.
+//!
+//! A [`Runtime`] is built from a validated [`Config`] once per load or reload and published
+//! through an `ArcSwap`; a request loads it once and sees one consistent version for its whole
+//! life. Limiter stores and waiter counters of limits whose definition did not change are
+//! carried over from the previous runtime, so a reload does not hand every client a fresh budget.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::Uri;
+use http::uri::{Authority, Scheme};
+use ipnet::IpNet;
+
+use crate::config::{Config, LimitConfig};
+use crate::limit::local::LocalStore;
+use crate::limit::{Limit, LimitSet};
+use crate::metrics::{Metrics, RouteMetrics, UNMATCHED_ROUTE};
+use crate::routing::RouteTable;
+
+/// One upstream base URL, split once so the request path only concatenates.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub scheme: Scheme,
+    pub authority: Authority,
+    /// Path prefix without a trailing `/` ("" for none).
+    pub base_path: String,
+}
+
+impl Upstream {
+    fn new(uri: &Uri) -> Self {
+        let base = uri.path().trim_end_matches('/');
+        Self {
+            scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
+            authority: uri
+                .authority()
+                .cloned()
+                .unwrap_or_else(|| Authority::from_static("localhost")),
+            base_path: base.to_owned(),
+        }
+    }
+
+    /// The upstream URI for a request's path and query.
+    pub fn target(&self, path_and_query: &str) -> Result<Uri, http::Error> {
+        let mut pq = String::with_capacity(self.base_path.len() + path_and_query.len());
+        pq.push_str(&self.base_path);
+        pq.push_str(path_and_query);
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(pq)
+            .build()
+    }
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub name: Arc<str>,
+    pub upstreams: Vec<Upstream>,
+    next: AtomicUsize,
+    pub timeout: Duration,
+    pub preserve_host: bool,
+    pub headers: bool,
+    pub limits: LimitSet,
+    pub metrics: RouteMetrics,
+    /// Requests waiting for a reserved slot now; shared across reloads of the same route.
+    pub waiters: Arc<AtomicUsize>,
+    pub max_waiters: usize,
+}
+
+impl Route {
+    /// Round-robin over the route's upstreams.
+    pub fn pick_upstream(&self) -> &Upstream {
+        let n = self.upstreams.len();
+        if n == 1 {
+            return &self.upstreams[0];
+        }
+        &self.upstreams[self.next.fetch_add(1, Ordering::Relaxed) % n]
+    }
+}
+
+#[derive(Debug)]
+pub struct Runtime {
+    pub config: Arc<Config>,
+    pub table: RouteTable,
+    pub routes: Vec<Route>,
+    pub unmatched: RouteMetrics,
+    pub trusted_proxies: Vec<IpNet>,
+}
+
+/// What survives a reload, keyed by route and limit name.
+type Carried = HashMap<(String, String), (LimitConfig, Arc<LocalStore>)>;
+
+impl Runtime {
+    pub fn build(config: Config, metrics: &Metrics, previous: Option<&Runtime>) -> Self {
+        let mut carried: Carried = HashMap::new();
+        let mut waiters: HashMap<String, Arc<AtomicUsize>> = HashMap::new();
+        if let Some(prev) = previous {
+            for r in &prev.routes {
+                waiters.insert(r.name.to_string(), r.waiters.clone());
+                for l in &r.limits.limits {
+                    carried.insert(
+                        (r.name.to_string(), l.name.to_string()),
+                        (l.config.clone(), l.store.clone()),
+                    );
+                }
+            }
+        }
+        let local_duration = metrics.limiter_duration("local");
+        let routes = config
+            .routes
+            .iter()
+            .map(|rc| {
+                let limits = rc
+                    .limits
+                    .iter()
+                    .map(|lc| {
+                        let store = match carried.remove(&(rc.name.clone(), lc.name.clone())) {
+                            Some((old, store)) if same_state_shape(&old, lc) => store,
+                            _ => Arc::new(LocalStore::new()),
+                        };
+                        Limit::new(lc, store, metrics.limit(&rc.name, &lc.name))
+                    })
+                    .collect();
+                Route {
+                    name: rc.name.as_str().into(),
+                    upstreams: rc.upstreams.iter().map(Upstream::new).collect(),
+                    next: AtomicUsize::new(0),
+                    timeout: rc.timeout,
+                    preserve_host: rc.preserve_host,
+                    headers: rc.headers,
+                    limits: LimitSet::new(limits, local_duration.clone()),
+                    metrics: metrics.route(&rc.name),
+                    waiters: waiters.remove(&rc.name).unwrap_or_default(),
+                    max_waiters: config.server.max_waiters,
+                }
+            })
+            .collect();
+        Self {
+            table: RouteTable::new(config.routes.iter().map(|r| &r.matcher)),
+            routes,
+            unmatched: metrics.route(UNMATCHED_ROUTE),
+            trusted_proxies: config.server.trusted_proxies.clone(),
+            config: Arc::new(config),
+        }
+    }
+
+    /// Every local store, for the sweeper.
+    pub fn stores(&self) -> impl Iterator<Item = &Arc<LocalStore>> {
+        self.routes
+            .iter()
+            .flat_map(|r| r.limits.limits.iter().map(|l| &l.store))
+    }
+}
+
+/// State can be carried over when the algorithm and its quota are the same: a changed rate or
+/// algorithm starts from a fresh store (the old state would mean something else), anything
+/// else (shadow, headers, delay, cost) keeps it.
+fn same_state_shape(old: &LimitConfig, new: &LimitConfig) -> bool {
+    old.algorithm == new.algorithm
+        && old.rate == new.rate
+        && old.burst == new.burst
+        && old.key == new.key
+        && old.scope == new.scope
+}

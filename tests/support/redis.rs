@@ -1,0 +1,398 @@
+//! Real `redis-server` processes for integration tests: a single server and a 3-primary
+//! cluster, each on free loopback ports, killed on drop.
+//!
+//! Only `std`: every test binary can `#[path]`-include this file without extra dev-deps.
+//! A server kept in a `static` (shared by the tests of one binary) is never dropped, so each
+//! server process gets a tiny `sh` watchdog that kills it once the test process is gone;
+//! nothing outlives `cargo test`, even after a panic or a Ctrl-C.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+const NOT_FOUND: &str = "redis-server not found: install it with `apt-get install -y redis-server` (the README's test command does this)";
+
+/// How long a fresh server may take to answer PING; generous for a loaded CI machine.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A standalone `redis-server` on `127.0.0.1`, without persistence.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a server on a free port and waits until it answers PING.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Like [`RedisServer::start`] with extra `--name value` arguments for `redis-server`.
+    pub fn start_with(extra: &[&str]) -> Self {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        // A port picked free can be taken by another test binary before redis binds it:
+        // try a few ports rather than failing the test.
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = temp_dir("single", port);
+            match spawn_server(port, &dir, &extra) {
+                Ok(child) => {
+                    return Self {
+                        port,
+                        dir,
+                        child: Some(child),
+                        extra,
+                    };
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    last_error = e;
+                }
+            }
+        }
+        panic!("could not start redis-server: {last_error}");
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Kills the server abruptly (SIGKILL), as a crash or a network cut looks to clients.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, with an empty dataset.
+    pub fn restart(&mut self) {
+        self.stop();
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            // Sockets of the killed server can hold the port for a moment.
+            match spawn_server(self.port, &self.dir, &self.extra) {
+                Ok(child) => {
+                    self.child = Some(child);
+                    return;
+                }
+                Err(e) if Instant::now() > deadline => {
+                    panic!("could not restart redis-server on port {}: {e}", self.port)
+                }
+                Err(_) => sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// Runs `redis-cli` against this server and returns its stdout, trimmed.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, false, args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Three primaries with all 16384 slots assigned and no replicas.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<ClusterNode>,
+}
+
+#[derive(Debug)]
+struct ClusterNode {
+    port: u16,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl RedisCluster {
+    pub fn start() -> Self {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(start_cluster_node());
+        }
+        let cluster = Self { nodes };
+        let mut create = vec!["--cluster".to_string(), "create".to_string()];
+        create.extend(cluster.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        create.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
+        let create: Vec<&str> = create.iter().map(String::as_str).collect();
+        let out = run_cli(cluster.nodes[0].port, false, &create);
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cluster.wait_until_ok();
+        cluster
+    }
+
+    fn wait_until_ok(&self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        for node in &self.nodes {
+            loop {
+                let info = cli(node.port, false, &["cluster", "info"]);
+                // Every node must also know the whole slot map, or a client that
+                // bootstraps from it gets a partial view.
+                let nodes = cli(node.port, false, &["cluster", "nodes"]);
+                let known = nodes.lines().filter(|l| l.contains("master")).count();
+                if info.contains("cluster_state:ok") && known == self.nodes.len() {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster node {} not ok: {info}",
+                    node.port
+                );
+                sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// `redis://` URLs of the primaries, in start order.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
+    /// Index (into [`RedisCluster::urls`]) of the primary that owns `key`'s slot.
+    pub fn node_for_key(&self, key: &str) -> usize {
+        let slot: u16 = cli(self.nodes[0].port, false, &["cluster", "keyslot", key])
+            .parse()
+            .expect("CLUSTER KEYSLOT answers an integer");
+        let owner = slot_owner(&cli(self.nodes[0].port, false, &["cluster", "nodes"]), slot)
+            .unwrap_or_else(|| panic!("no primary owns slot {slot}"));
+        self.nodes
+            .iter()
+            .position(|n| n.port == owner)
+            .unwrap_or_else(|| panic!("slot {slot} owned by unknown port {owner}"))
+    }
+
+    /// Runs `redis-cli -c` (following redirections) starting at the first node.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.nodes[0].port, true, args)
+    }
+
+    /// Runs `redis-cli` against one node, without following redirections.
+    pub fn cli_node(&self, node: usize, args: &[&str]) -> String {
+        cli(self.nodes[node].port, false, args)
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            let _ = node.child.kill();
+            let _ = node.child.wait();
+            let _ = std::fs::remove_dir_all(&node.dir);
+        }
+    }
+}
+
+fn start_cluster_node() -> ClusterNode {
+    let mut last_error = String::new();
+    for _ in 0..5 {
+        let port = free_port();
+        // The bus port must be free too; the default (port + 10000) can exceed 65535 for
+        // ephemeral ports, so pick it explicitly.
+        let bus = free_port();
+        let dir = temp_dir("cluster", port);
+        let extra: Vec<String> = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-port",
+            &bus.to_string(),
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        match spawn_server(port, &dir, &extra) {
+            Ok(child) => return ClusterNode { port, dir, child },
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                last_error = e;
+            }
+        }
+    }
+    panic!("could not start a cluster node: {last_error}");
+}
+
+/// Port of the primary serving `slot`, from `CLUSTER NODES` output.
+fn slot_owner(nodes: &str, slot: u16) -> Option<u16> {
+    for line in nodes.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 9 || !fields[2].contains("master") {
+            continue;
+        }
+        // "127.0.0.1:30001@40001" or, with a hostname, "127.0.0.1:30001@40001,host".
+        let port = fields[1]
+            .split('@')
+            .next()
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse().ok())?;
+        for range in &fields[8..] {
+            if range.starts_with('[') {
+                continue; // a slot being migrated or imported
+            }
+            let (lo, hi) = match range.split_once('-') {
+                Some((lo, hi)) => (lo.parse().ok()?, hi.parse().ok()?),
+                None => {
+                    let s = range.parse().ok()?;
+                    (s, s)
+                }
+            };
+            if (lo..=hi).contains(&slot) {
+                return Some(port);
+            }
+        }
+    }
+    None
+}
+
+fn redis_binary(name: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+        .unwrap_or_else(|| {
+            if name == "redis-server" {
+                panic!("{NOT_FOUND}")
+            } else {
+                panic!("{name} not found on PATH (it ships with redis-server: `apt-get install -y redis-server`)")
+            }
+        })
+}
+
+/// Spawns `redis-server` and waits for PONG; `Err` if it exits first (port taken) or stays
+/// silent.
+fn spawn_server(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let log = dir.join("redis.log");
+    let mut child = Command::new(redis_binary("redis-server"))
+        .args(["--port", &port.to_string()])
+        .args(["--bind", "127.0.0.1"])
+        .args(["--save", ""])
+        .args(["--appendonly", "no"])
+        .args(["--daemonize", "no"])
+        .arg("--dir")
+        .arg(dir)
+        .arg("--logfile")
+        .arg(&log)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawning redis-server: {e}"))?;
+    watchdog(child.id(), dir);
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if ping(port) {
+            return Ok(child);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(format!("redis-server exited with {status} on port {port}: {log}"));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("redis-server on port {port} did not answer PING"));
+        }
+        sleep(Duration::from_millis(10));
+    }
+}
+
+/// Kills `pid` (and removes `dir`) once this test process has exited.
+fn watchdog(pid: u32, dir: &Path) {
+    let script = format!(
+        "while kill -0 {me} 2>/dev/null && kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
+         if ! kill -0 {me} 2>/dev/null; then kill -9 {pid} 2>/dev/null; rm -rf '{dir}'; fi",
+        me = std::process::id(),
+        dir = dir.display(),
+    );
+    let _ = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+}
+
+/// One RESP PING over a fresh connection.
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else {
+        return false;
+    };
+    let timeout = Some(Duration::from_millis(500));
+    if stream.set_read_timeout(timeout).is_err() || stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    matches!(stream.read_exact(&mut buf), Ok(()) if &buf == b"+PONG\r\n")
+}
+
+fn run_cli(port: u16, follow: bool, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(redis_binary("redis-cli"));
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    if follow {
+        cmd.arg("-c");
+    }
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running redis-cli: {e}"))
+}
+
+fn cli(port: u16, follow: bool, args: &[&str]) -> String {
+    let out = run_cli(port, follow, args);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port: {e}"))
+}
+
+fn temp_dir(kind: &str, port: u16) -> PathBuf {
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "tollgate-redis-{kind}-{}-{port}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ))
+}

@@ -1,0 +1,177 @@
+//! A real upstream on loopback that reports what it received.
+//!
+//! Paths: `/echo...` (default) answers 200 with a JSON body of method, path, query and headers
+//! and the request body's length (counted while streaming, never buffered); `/slow?ms=N` waits
+//! N ms first; `/stream?bytes=N` streams N bytes back in 64 KiB chunks; `/first-chunk` answers as
+//! soon as the first body chunk arrived (proves the gateway streams request bodies);
+//! `/hop` answers with hop-by-hop headers that the gateway must remove.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    pub name: &'static str,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Upstream {
+    pub async fn start() -> Self {
+        Self::named("up").await
+    }
+
+    pub async fn named(name: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let h = h.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        handle(req, name)
+                    });
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Self {
+            addr,
+            hits,
+            name,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+fn full(s: impl Into<Bytes>) -> Body {
+    Full::new(s.into()).boxed()
+}
+
+fn query(req: &Request<Incoming>, name: &str) -> Option<u64> {
+    req.uri().query()?.split('&').find_map(|p| {
+        let (k, v) = p.split_once('=')?;
+        (k == name).then(|| v.parse().ok()).flatten()
+    })
+}
+
+async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_owned();
+    if path.starts_with("/slow") {
+        let ms = query(&req, "ms").unwrap_or(1000);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if path.starts_with("/stream") {
+        let total = query(&req, "bytes").unwrap_or(1 << 20) as usize;
+        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+        let stream = futures_util::stream::unfold(total, move |left| {
+            let chunk = chunk.clone();
+            async move {
+                if left == 0 {
+                    return None;
+                }
+                let n = left.min(chunk.len());
+                Some((Ok::<_, Infallible>(Frame::data(chunk.slice(..n))), left - n))
+            }
+        });
+        return Ok(Response::new(BodyExt::boxed(StreamBody::new(stream))));
+    }
+    if path.starts_with("/first-chunk") {
+        let mut body = req.into_body();
+        let first = loop {
+            match body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        if !d.is_empty() {
+                            break d.len();
+                        }
+                    }
+                }
+                _ => break 0,
+            }
+        };
+        // Keep draining in the background so the client's remaining chunks are accepted.
+        tokio::spawn(async move { while body.frame().await.is_some() {} });
+        return Ok(Response::new(full(format!("first:{first}"))));
+    }
+    if path.starts_with("/hop") {
+        let mut r = Response::new(full("hop"));
+        let h = r.headers_mut();
+        h.insert("connection", "x-internal".parse().unwrap());
+        h.insert("x-internal", "secret".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("proxy-authenticate", "Basic".parse().unwrap());
+        h.insert("x-end-to-end", "kept".parse().unwrap());
+        return Ok(r);
+    }
+    let method = req.method().to_string();
+    let query_s = req.uri().query().unwrap_or("").to_owned();
+    let headers: serde_json::Map<String, serde_json::Value> = req
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                serde_json::Value::String(String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            )
+        })
+        .collect();
+    let mut body = req.into_body();
+    let mut len = 0usize;
+    let mut chunks = 0usize;
+    while let Some(Ok(f)) = body.frame().await {
+        if let Ok(d) = f.into_data() {
+            len += d.len();
+            chunks += 1;
+        }
+    }
+    let v = serde_json::json!({
+        "upstream": name,
+        "method": method,
+        "path": path,
+        "query": query_s,
+        "headers": headers,
+        "body_len": len,
+        "body_chunks": chunks,
+    });
+    let mut r = Response::new(full(v.to_string()));
+    r.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
+    Ok(r)
+}
