@@ -7,6 +7,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
+use tollgate::limit::local::{self, LocalCheck, LocalStore};
 
 /// 100 per second.
 const QUOTA: Quota = Quota {
@@ -57,8 +58,99 @@ fn algorithm(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(
-    benches, algorithm,
-    // store benches are added below by the store module
-);
+/// A local decision through the store (hash, shard lock, lookup, check, commit), as the request
+/// path makes it, with 1 to 1M distinct active keys. Keys are visited in a scrambled order so
+/// the larger sets really miss the cache. The goal: under 200 ns and flat across key counts.
+fn store(c: &mut Criterion) {
+    let mut group = c.benchmark_group("store");
+    let alg = Algorithm::Gcra(Gcra::new(Quota {
+        count: 1_000_000,
+        period: 1_000_000,
+        burst: 1_000_000,
+    }));
+    for n in [1usize, 1_000, 1_000_000] {
+        let store = LocalStore::new();
+        let keys: Vec<Vec<u8>> = (0..n)
+            .map(|i| format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255).into_bytes())
+            .collect();
+        // Fill the store first, so the measurement is of lookups in a store of n keys.
+        for k in &keys {
+            let check = [LocalCheck {
+                store: &store,
+                algorithm: &alg,
+                key: k,
+                cost: 1,
+                max_delay: 0,
+                shadow: false,
+            }];
+            local::decide(&check, 1);
+        }
+        let mut i = 0usize;
+        let mut now: Micros = 1;
+        group.bench_function(format!("gcra_keys_{n}"), |b| {
+            b.iter(|| {
+                // Multiplicative scramble over the key index: a full-period walk for any n.
+                i = (i + 7_919) % n;
+                now += 1;
+                let check = [LocalCheck {
+                    store: &store,
+                    algorithm: &alg,
+                    key: &keys[i],
+                    cost: 1,
+                    max_delay: 0,
+                    shadow: false,
+                }];
+                black_box(local::decide(black_box(&check), now).0)
+            });
+        });
+    }
+    group.finish();
+}
+
+/// Two threads deciding on the same store at once: distinct keys (the common case: shards
+/// rarely collide) and one hot key (every decision takes the same shard lock).
+fn contention(c: &mut Criterion) {
+    let mut group = c.benchmark_group("store_contention");
+    let alg = Algorithm::Gcra(Gcra::new(Quota {
+        count: 1_000_000,
+        period: 1_000_000,
+        burst: 1_000_000,
+    }));
+    for (id, hot) in [
+        ("two_threads_distinct_keys", false),
+        ("two_threads_one_key", true),
+    ] {
+        group.bench_function(id, |b| {
+            b.iter_custom(|iters| {
+                let store = LocalStore::new();
+                let start = std::time::Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..2u64 {
+                        let (store, alg) = (&store, &alg);
+                        s.spawn(move || {
+                            for n in 0..iters {
+                                let k = if hot { 0 } else { (n % 4096) * 2 + t };
+                                let key = k.to_le_bytes();
+                                let check = [LocalCheck {
+                                    store,
+                                    algorithm: alg,
+                                    key: &key,
+                                    cost: 1,
+                                    max_delay: 0,
+                                    shadow: false,
+                                }];
+                                black_box(local::decide(&check, n + 1).0);
+                            }
+                        });
+                    }
+                });
+                // Per decision, with two running at once.
+                start.elapsed() / 2
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, algorithm, store, contention);
 criterion_main!(benches);

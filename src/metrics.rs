@@ -242,10 +242,10 @@ impl Metrics {
         );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
         for kind in ["timeout", "connection", "script", "protocol", "unavailable"] {
-            redis_errors.get_or_create(&KindLabel { kind });
+            let _ = redis_errors.get_or_create_owned(&KindLabel { kind });
         }
         for result in ["success", "error"] {
-            reloads.get_or_create(&ResultLabel { result });
+            let _ = reloads.get_or_create_owned(&ResultLabel { result });
         }
         Self {
             registry,

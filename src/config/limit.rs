@@ -5,26 +5,32 @@
 //! algorithm that cannot reserve a future slot cannot wait, `eventual` without
 //! a shared store has nothing to be eventually consistent with.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_saphyr::Spanned;
 
+use super::Invalid;
 use super::rate::{DurationText, parse_rate};
 use super::raw::{RawLimit, Text};
 use super::types::{
     AlgorithmKind, Consistency, KeyPart, LimitConfig, OnLimit, OnMissing, Rate, Scope,
 };
 use super::validate::{Checked, at, duration_or, items, keyword, name, positive_duration_or};
-use super::{Invalid, Pos};
 
 /// Sliding-window state is computed in Lua, whose numbers are doubles: exact
 /// integers only below 2^53.
 const LUA_EXACT: u64 = 1 << 53;
 
-pub(super) fn limit(raw: Spanned<RawLimit>, has_redis: bool) -> Checked<(LimitConfig, Pos)> {
+pub(super) fn limit(
+    raw: Spanned<RawLimit>,
+    has_redis: bool,
+    route: &str,
+    seen: &mut HashMap<String, u64>,
+) -> Checked<LimitConfig> {
     let limit_at = at(&raw);
     let raw = raw.value;
-    let (name, name_at) = name(raw.name, limit_at, "limit")?;
+    let name = name(raw.name, limit_at, seen, Some(route))?;
 
     let Some(rate_text) = raw.rate else {
         return Err(Invalid::new(
@@ -183,7 +189,7 @@ pub(super) fn limit(raw: Spanned<RawLimit>, has_redis: bool) -> Checked<(LimitCo
         Duration::from_millis(100),
     )?;
 
-    let limit = LimitConfig {
+    Ok(LimitConfig {
         name,
         key,
         on_missing,
@@ -197,27 +203,24 @@ pub(super) fn limit(raw: Spanned<RawLimit>, has_redis: bool) -> Checked<(LimitCo
         shadow: raw.shadow.unwrap_or(false),
         consistency,
         sync_interval,
-    };
-    Ok((limit, name_at))
+    })
 }
 
 /// Rates that are valid arithmetic but beyond what the limiters represent.
 fn check_precision(algorithm: AlgorithmKind, rate: Rate, rate_text: &Text) -> Checked<()> {
     let micros = rate.period_micros();
+    let beyond_doubles = rate
+        .count
+        .checked_mul(micros)
+        .is_none_or(|p| p >= LUA_EXACT);
     match algorithm {
-        AlgorithmKind::SlidingWindow => {
-            if rate
-                .count
-                .checked_mul(micros)
-                .is_none_or(|p| p >= LUA_EXACT)
-            {
-                return Err(Invalid::new(
-                    at(rate_text),
-                    format!(
-                        "rate {rate} is too large for sliding_window: COUNT × PERIOD in microseconds must stay below 2^53 because the Redis script computes with doubles; use a smaller count or a shorter period"
-                    ),
-                ));
-            }
+        AlgorithmKind::SlidingWindow if beyond_doubles => {
+            return Err(Invalid::new(
+                at(rate_text),
+                format!(
+                    "rate {rate} is too large for sliding_window: COUNT × PERIOD in microseconds must stay below 2^53 because the Redis script computes with doubles; use a smaller count or a shorter period"
+                ),
+            ));
         }
         // The emission interval period/count is kept in whole microseconds.
         AlgorithmKind::Gcra if rate.count > micros => {

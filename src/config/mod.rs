@@ -1,8 +1,8 @@
 //! `routes.yaml`: read, parse, validate, summarise.
 //!
 //! Loading happens in two stages so that every refusal can point at a line and
-//! column. [`raw`] mirrors the YAML exactly (unknown keys refused, values kept as
-//! written together with their position); [`validate`] turns it into the domain
+//! column. `raw` mirrors the YAML exactly (unknown keys refused, values kept as
+//! written together with their position); `validate` turns it into the domain
 //! types below, which the rest of the proxy uses without re-checking anything.
 //! A `Config` that exists is a config that is safe to run.
 

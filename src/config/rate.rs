@@ -109,12 +109,12 @@ impl fmt::Display for DurationText {
         if nanos == 0 {
             return f.write_str("0s");
         }
-        if nanos % 1_000 != 0 {
+        if !nanos.is_multiple_of(1_000) {
             return write!(f, "{nanos}ns");
         }
         let micros = nanos / 1_000;
         for (name, per) in UNITS {
-            if micros % u128::from(per) == 0 {
+            if micros.is_multiple_of(u128::from(per)) {
                 return write!(f, "{}{name}", micros / u128::from(per));
             }
         }

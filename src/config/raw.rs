@@ -150,8 +150,26 @@ pub(super) fn parse(text: &str) -> Result<RawConfig, Invalid> {
 }
 
 /// The library's user-facing wording, minus the " at line L, column C" suffix
-/// and the source snippet: the position is already in `PATH:LINE:COL`.
+/// and the source snippet: the position is already in `PATH:LINE:COL`. Type
+/// mismatches are reworded in YAML terms ("invalid u64" means nothing to an
+/// operator).
 fn plain_message(e: &serde_saphyr::Error) -> String {
+    use serde_saphyr::Error;
+    match e.without_snippet() {
+        Error::InvalidScalar { ty: "boolean", .. } => return "expected true or false".to_owned(),
+        Error::InvalidScalar { ty, .. } if ty.starts_with('u') => {
+            return "expected a whole number, 0 or more".to_owned();
+        }
+        Error::Unexpected {
+            expected: "sequence start",
+            ..
+        } => return "expected a list (`- item` lines or `[a, b]`)".to_owned(),
+        Error::Unexpected {
+            expected: "mapping start",
+            ..
+        } => return "expected a mapping (`key: value` lines or `{key: value}`)".to_owned(),
+        _ => {}
+    }
     struct NoLocation;
     impl Localizer for NoLocation {
         fn attach_location<'a>(&self, base: Cow<'a, str>, _: Location) -> Cow<'a, str> {

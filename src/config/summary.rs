@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 
 use super::rate::DurationText;
 use super::types::{
-    AlgorithmKind, Config, Consistency, LimitConfig, OnError, OnLimit, PathMatch, RedisTarget,
-    RouteConfig, Scope, redact_url,
+    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, PathMatch,
+    RedisTarget, RouteConfig, Scope, redact_url,
 };
 
 pub fn summary(cfg: &Config) -> String {
@@ -50,12 +50,12 @@ pub fn summary(cfg: &Config) -> String {
                 ),
             };
             let on_error = match r.on_error {
-                OnError::Allow => "allow (fall back to the local limit)",
-                OnError::Deny => "deny (reply 503)",
+                OnError::Allow => "allow: fall back to the local limit",
+                OnError::Deny => "deny: reply 503",
             };
             let _ = writeln!(
                 out,
-                "redis    {target} (timeout {}, pool {}, on error: {on_error})",
+                "redis    {target}; timeout {}, pool {}, on_error {on_error}",
                 DurationText(r.timeout),
                 r.pool_size
             );
@@ -138,12 +138,21 @@ fn write_limit(out: &mut String, l: &LimitConfig) {
         Consistency::Strict => "strict".to_owned(),
         Consistency::Eventual => format!("eventual (sync {})", DurationText(l.sync_interval)),
     };
+    // Only headers and query parameters can be absent from a request.
+    let can_be_missing = l
+        .key
+        .iter()
+        .any(|p| matches!(p, KeyPart::Header(_) | KeyPart::Query(_)));
+    let on_missing = if can_be_missing {
+        format!(" (if missing: {})", l.on_missing)
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "  limit {}: key {} (if missing: {}), {algo}, {}, cost {}, {on_limit}, {}, {consistency}",
+        "  limit {}: key {}{on_missing}, {algo}, {}, cost {}, {on_limit}, {}, {consistency}",
         l.name,
         join(&l.key, "+"),
-        l.on_missing,
         l.scope,
         l.cost,
         if l.shadow {

@@ -27,17 +27,7 @@ pub(super) fn config(raw: RawConfig) -> Checked<Config> {
     let mut routes = Vec::new();
     let mut seen = HashMap::new();
     for raw_route in raw.routes.unwrap_or_default() {
-        let (route, name_at) = route(raw_route, redis.is_some())?;
-        if let Some(first) = seen.insert(route.name.clone(), name_at) {
-            return Err(Invalid::new(
-                name_at,
-                format!(
-                    "duplicate route name `{}` (first used at line {}): route names must be unique",
-                    route.name, first.line
-                ),
-            ));
-        }
-        routes.push(route);
+        routes.push(route(raw_route, redis.is_some(), &mut seen)?);
     }
     Ok(Config {
         server,
@@ -207,10 +197,14 @@ fn redis_url(t: &Text) -> Checked<String> {
     Ok(url.to_owned())
 }
 
-fn route(raw: Spanned<RawRoute>, has_redis: bool) -> Checked<(RouteConfig, Pos)> {
+fn route(
+    raw: Spanned<RawRoute>,
+    has_redis: bool,
+    seen: &mut HashMap<String, u64>,
+) -> Checked<RouteConfig> {
     let route_at = at(&raw);
     let raw = raw.value;
-    let (name, name_at) = name(raw.name, route_at, "route")?;
+    let name = name(raw.name, route_at, seen, None)?;
     let matcher = match raw.matcher {
         Some(m) => route_match(m)?,
         None => RouteMatch {
@@ -239,21 +233,11 @@ fn route(raw: Spanned<RawRoute>, has_redis: bool) -> Checked<(RouteConfig, Pos)>
         ));
     }
     let mut limits = Vec::new();
-    let mut seen = HashMap::new();
+    let mut seen_limits = HashMap::new();
     for raw_limit in raw.limits.unwrap_or_default() {
-        let (limit, limit_name_at) = limit::limit(raw_limit, has_redis)?;
-        if let Some(first) = seen.insert(limit.name.clone(), limit_name_at) {
-            return Err(Invalid::new(
-                limit_name_at,
-                format!(
-                    "duplicate limit name `{}` in route `{name}` (first used at line {}): limit names must be unique within a route",
-                    limit.name, first.line
-                ),
-            ));
-        }
-        limits.push(limit);
+        limits.push(limit::limit(raw_limit, has_redis, &name, &mut seen_limits)?);
     }
-    let route = RouteConfig {
+    Ok(RouteConfig {
         name,
         matcher,
         upstreams,
@@ -261,8 +245,7 @@ fn route(raw: Spanned<RawRoute>, has_redis: bool) -> Checked<(RouteConfig, Pos)>
         preserve_host: raw.preserve_host.unwrap_or(true),
         headers: raw.headers.unwrap_or(true),
         limits,
-    };
-    Ok((route, name_at))
+    })
 }
 
 fn route_match(raw: RawMatch) -> Checked<RouteMatch> {
@@ -395,10 +378,10 @@ fn upstream_uri(t: &Text) -> Checked<http::Uri> {
             "contains credentials (`user@`): they are not forwarded; remove them".to_owned(),
         ));
     }
-    if let Some(port) = authority.as_str()[authority.host().len()..].strip_prefix(':') {
-        if !matches!(port.parse::<u16>(), Ok(1..)) {
-            return Err(bad(format!("has an invalid port `{port}`: use 1 to 65535")));
-        }
+    if let Some(port) = authority.as_str()[authority.host().len()..].strip_prefix(':')
+        && !matches!(port.parse::<u16>(), Ok(1..))
+    {
+        return Err(bad(format!("has an invalid port `{port}`: use 1 to 65535")));
     }
     if uri.query().is_some() {
         return Err(bad(
@@ -421,8 +404,17 @@ pub(super) fn items(list: Spanned<OneOrMany>) -> Vec<Text> {
     list.value.items(list.referenced)
 }
 
-/// Names end up in metric labels and Redis keys, hence the small alphabet.
-pub(super) fn name(raw: Option<Text>, owner_at: Pos, owner: &str) -> Checked<(String, Pos)> {
+/// Checks a route's or a limit's name where it is written, before the rest of
+/// its block, so a duplicate is reported at the duplicate. Names end up in
+/// metric labels and Redis keys, hence the small alphabet. `route` is the
+/// enclosing route's name when checking a limit.
+pub(super) fn name(
+    raw: Option<Text>,
+    owner_at: Pos,
+    seen: &mut HashMap<String, u64>,
+    route: Option<&str>,
+) -> Checked<String> {
+    let owner = if route.is_some() { "limit" } else { "route" };
     let Some(t) = raw else {
         return Err(Invalid::new(
             owner_at,
@@ -443,7 +435,20 @@ pub(super) fn name(raw: Option<Text>, owner_at: Pos, owner: &str) -> Checked<(St
         ));
     }
     let name_at = at(&t);
-    Ok((t.value, name_at))
+    if let Some(first) = seen.insert(t.value.clone(), name_at.line) {
+        let (within, unique) = match route {
+            Some(route) => (format!(" in route `{route}`"), " within a route"),
+            None => (String::new(), ""),
+        };
+        return Err(Invalid::new(
+            name_at,
+            format!(
+                "duplicate {owner} name `{}`{within} (first used at line {first}): {owner} names must be unique{unique}",
+                t.value
+            ),
+        ));
+    }
+    Ok(t.value)
 }
 
 pub(super) fn keyword<T: Copy>(t: &Text, field: &str, choices: &[(&str, T)]) -> Checked<T> {

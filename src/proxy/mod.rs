@@ -132,10 +132,8 @@ impl Proxy {
             }
         };
         let mut resp = forward::forward(self, route, req, peer, client, rt).await;
-        if route.headers {
-            if let Some(info) = info {
-                response::set_ratelimit(resp.headers_mut(), &limits.limits[info.limit], &info);
-            }
+        if let (true, Some(info)) = (route.headers, info) {
+            response::set_ratelimit(resp.headers_mut(), &limits.limits[info.limit], &info);
         }
         resp
     }

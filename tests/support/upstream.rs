@@ -117,10 +117,10 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
         let first = loop {
             match body.frame().await {
                 Some(Ok(f)) => {
-                    if let Ok(d) = f.into_data() {
-                        if !d.is_empty() {
-                            break d.len();
-                        }
+                    if let Ok(d) = f.into_data()
+                        && !d.is_empty()
+                    {
+                        break d.len();
                     }
                 }
                 _ => break 0,

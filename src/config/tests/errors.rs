@@ -26,7 +26,18 @@ fn unknown_limit_field() {
 #[test]
 fn wrong_type() {
     let yaml = with_limit(&["rate: 1/s", "burst: many"]);
-    assert_err(&yaml, 7, 16, "u64");
+    assert_err(&yaml, 7, 16, "expected a whole number, 0 or more");
+    let yaml = lines(&[
+        "routes:",
+        "  - name: a",
+        "    upstream: http://u",
+        "    headers: maybe",
+    ]);
+    assert_err(&yaml, 4, 14, "expected true or false");
+    assert_err("routes: 5\n", 1, 9, "expected a list");
+    assert_err("server: [a]\n", 1, 9, "expected a mapping");
+    let yaml = lines(&["routes:", "  - name: a", "    upstream: {url: x}"]);
+    assert_err(&yaml, 3, 15, "expected a string or a list of strings");
 }
 
 #[test]
@@ -44,7 +55,7 @@ fn duplicate_route_names() {
         "  - name: api",
         "    upstream: http://u",
         "  - name: api",
-        "    upstream: http://u",
+        "    upstream: ftp://refused-but-the-name-comes-first",
     ]);
     assert_err(
         &yaml,
@@ -64,7 +75,7 @@ fn duplicate_limit_names_within_a_route() {
         "      - name: l",
         "        rate: 1/s",
         "      - name: l",
-        "        rate: 2/s",
+        "        rate: 0/s",
     ]);
     assert_err(&yaml, 7, 15, "duplicate limit name `l` in route `api`");
 }

@@ -1,0 +1,113 @@
+//! The Redis tier's error type, and how fred's errors map onto it.
+//!
+//! The split that matters to callers is "Redis is unhealthy" ([`RedisError::Timeout`],
+//! [`RedisError::Connection`], [`RedisError::Unavailable`]: fall back per `on_error`) versus
+//! "Redis answered but the answer is wrong" ([`RedisError::Script`],
+//! [`RedisError::Protocol`]: a bug or a bad deployment, which a retry will not fix).
+
+use fred::error::{Error as FredError, ErrorKind};
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RedisError {
+    #[error("redis did not answer within the timeout")]
+    Timeout,
+    /// The circuit breaker is open: Redis failed repeatedly and was not asked at all.
+    #[error("redis unavailable (circuit breaker open)")]
+    Unavailable,
+    #[error("redis connection error: {0}")]
+    Connection(String),
+    #[error("redis script error: {0}")]
+    Script(String),
+    #[error("unexpected redis reply: {0}")]
+    Protocol(String),
+}
+
+/// Error replies that mean "this Redis cannot serve right now" rather than "the command is
+/// wrong"; fred files them all under `Unknown`.
+const OUTAGE_REPLIES: &[&str] = &[
+    "LOADING",
+    "BUSY",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "READONLY",
+    "CLUSTERDOWN",
+    "OOM",
+];
+
+impl RedisError {
+    /// The `kind` label of `tollgate_redis_errors_total`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RedisError::Timeout => "timeout",
+            RedisError::Unavailable => "unavailable",
+            RedisError::Connection(_) => "connection",
+            RedisError::Script(_) => "script",
+            RedisError::Protocol(_) => "protocol",
+        }
+    }
+
+    /// Whether this failure says Redis is unhealthy, so it counts towards opening the
+    /// circuit breaker. A script error proves Redis answered.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, RedisError::Timeout | RedisError::Connection(_))
+    }
+}
+
+impl From<FredError> for RedisError {
+    fn from(e: FredError) -> Self {
+        let details = e.details().to_string();
+        match e.kind() {
+            ErrorKind::Timeout => RedisError::Timeout,
+            ErrorKind::Protocol | ErrorKind::Parse => RedisError::Protocol(details),
+            ErrorKind::Unknown
+            | ErrorKind::InvalidArgument
+            | ErrorKind::InvalidCommand
+            | ErrorKind::NotFound => {
+                let code = details.split_whitespace().next().unwrap_or("");
+                if OUTAGE_REPLIES.contains(&code) {
+                    RedisError::Connection(details)
+                } else {
+                    RedisError::Script(details)
+                }
+            }
+            // IO, Canceled, Backpressure, Cluster, Routing, Auth, Config, Url, Tls, ...:
+            // Redis cannot be used as configured right now.
+            _ => RedisError::Connection(format!("{:?}: {details}", e.kind())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fred_errors_map_to_kinds() {
+        let cases = [
+            (FredError::new(ErrorKind::Timeout, "t"), "timeout"),
+            (FredError::new(ErrorKind::IO, "reset"), "connection"),
+            (
+                FredError::new(ErrorKind::Backpressure, "full"),
+                "connection",
+            ),
+            (
+                FredError::new(ErrorKind::Unknown, "LOADING Redis is loading"),
+                "connection",
+            ),
+            (
+                FredError::new(ErrorKind::Unknown, "ERR Error running script"),
+                "script",
+            ),
+            (
+                FredError::new(ErrorKind::Parse, "not an integer"),
+                "protocol",
+            ),
+        ];
+        for (fred, kind) in cases {
+            let e = RedisError::from(fred);
+            assert_eq!(e.kind(), kind, "{e}");
+            assert_eq!(e.is_outage(), kind == "timeout" || kind == "connection");
+        }
+        assert!(!RedisError::Unavailable.is_outage());
+    }
+}

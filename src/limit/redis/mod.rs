@@ -1,0 +1,550 @@
+//! The Redis tier of `scope: global` limits: one Lua script decides all of a request's
+//! global limits atomically, on Redis's clock, so every gateway instance sees one state.
+//!
+//! # Guarantees
+//!
+//! - **Single Redis**: all of a request's limits go into ONE `EVALSHA` of `decide.lua`, which
+//!   checks every limit and commits only if all admit. A rejected request writes nothing.
+//! - **Redis Cluster**: one script call may only touch keys of one hash slot. Limits whose
+//!   keys share a slot (same `{tag}`) still go into one call. Limits on different slots are
+//!   decided by one call per slot, concurrently; if any rejects, the slots that admitted are
+//!   refunded (`refund.lua`). This reserve-then-refund never over-admits: units are taken
+//!   before the request is admitted and only given back after it was rejected. The cost is
+//!   that for the round trip between the two calls another request may see those units as
+//!   taken and be rejected although, in the end, nothing consumed them. A refund that fails
+//!   (Redis gone mid-request) leaves the units taken until the key expires, which only errs
+//!   towards limiting.
+//! - **Time** is the Redis server's (`TIME` inside the script); on a cluster, each slot's
+//!   node's clock.
+//! - **Memory**: every written key expires once its state is back to full.
+//! - **Failure**: every call is bounded by the configured timeout. After
+//!   [`BREAKER_THRESHOLD`] consecutive timeouts or connection errors the circuit breaker
+//!   opens and [`RedisStore::decide`] answers [`RedisError::Unavailable`] at once; a
+//!   background PING every [`PROBE_EVERY`] closes it as soon as Redis answers, so decisions
+//!   return to Redis within about a second of it coming back. The caller applies `on_error`.
+//! - **Scripts** are sent by SHA; after a Redis restart or `SCRIPT FLUSH` the `NOSCRIPT`
+//!   reply triggers a reload and one retry, transparently.
+//!
+//! A command that timed out on our side may still run on Redis later (nothing can recall a
+//! command already written); it then consumes units of a request that was answered by the
+//! fallback. fred's own retries are off (`max_command_attempts = 1`) so that it never
+//! replays a decision twice.
+
+mod breaker;
+mod error;
+mod script;
+
+pub use breaker::{Breaker, Health, Transition};
+pub use error::RedisError;
+pub use script::{DECIDE_LUA, MAX_PARAM, PEEK_LUA, REFUND_LUA, check_params, hash_tag, redis_keys};
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use fred::prelude::{
+    Builder, ClientLike, Config, ConnectionConfig, PerformanceConfig, Pool, ReconnectPolicy,
+    ServerConfig,
+};
+use fred::types::config::UnresponsiveConfig;
+use fred::types::scripts::Script;
+use tokio::task::JoinSet;
+
+use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
+use script::{DecideReply, Scripts};
+
+/// Consecutive outage failures that open the breaker.
+pub const BREAKER_THRESHOLD: u32 = 3;
+/// How often the background probe PINGs while the breaker is open (or Redis never answered).
+pub const PROBE_EVERY: Duration = Duration::from_millis(250);
+/// Default number of connections; fred pipelines many requests on each.
+pub const DEFAULT_POOL_SIZE: usize = 2;
+/// Default per-command timeout (the config's `redis.timeout`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+/// Commands fred may queue per connection while (re)connecting; beyond it a call fails at
+/// once instead of piling up behind a dead Redis.
+const MAX_QUEUED_COMMANDS: usize = 1024;
+/// The probe loop's tick; [`PROBE_EVERY`] is enforced by the breaker.
+const PROBE_TICK: Duration = Duration::from_millis(50);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisSettings {
+    pub target: RedisTarget,
+    /// Bound on every call (`redis.timeout`).
+    pub timeout: Duration,
+    pub pool_size: usize,
+}
+
+impl RedisSettings {
+    pub fn new(target: RedisTarget) -> Self {
+        Self {
+            target,
+            timeout: DEFAULT_TIMEOUT,
+            pool_size: DEFAULT_POOL_SIZE,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// `redis://[user:pass@]host:port[/db]`; a `redis-cluster://host:port?node=h2:p2` URL
+    /// selects a cluster too.
+    Single(String),
+    /// Seed nodes of a Redis Cluster (`redis://host:port` each); the rest is discovered.
+    Cluster(Vec<String>),
+}
+
+/// One of a request's global limits, as the store needs it.
+#[derive(Clone, Copy, Debug)]
+pub struct GlobalLimit<'a> {
+    pub algorithm: &'a Algorithm,
+    /// Base key, already holding the hash tag, e.g. `tg:{users/per-user/alice}`; the store
+    /// appends a per-algorithm suffix (see [`redis_keys`]).
+    pub key: &'a str,
+    pub cost: u64,
+    /// gcra with `on_limit: delay`: admit with a delay up to this; 0 = no reservation.
+    pub max_delay: Micros,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitVerdict {
+    /// For a request rejected by another limit this is what this limit would have
+    /// answered; nothing was consumed.
+    Admitted {
+        snapshot: Snapshot,
+        delay: Micros,
+    },
+    Rejected(Rejection),
+}
+
+impl LimitVerdict {
+    pub fn is_admitted(&self) -> bool {
+        matches!(self, LimitVerdict::Admitted { .. })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Every limit admitted, and every one was charged.
+    pub admitted: bool,
+    /// Same order as the input.
+    pub per_limit: Vec<LimitVerdict>,
+}
+
+/// Shared handle on the Redis tier; clones share the pool, scripts and breaker.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("cluster", &self.inner.cluster)
+            .field("timeout", &self.inner.timeout)
+            .field("health", &self.inner.breaker().health())
+            .finish()
+    }
+}
+
+struct Inner {
+    pool: Pool,
+    cluster: bool,
+    timeout: Duration,
+    scripts: Scripts,
+    breaker: Mutex<Breaker>,
+    shut_down: AtomicBool,
+}
+
+impl Inner {
+    fn breaker(&self) -> MutexGuard<'_, Breaker> {
+        // The breaker holds no invariant a panic elsewhere could break.
+        self.breaker
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn record(&self, result: Result<(), &RedisError>) {
+        let now = Instant::now();
+        let transition = match result {
+            Ok(()) | Err(RedisError::Script(_)) => self.breaker().record_success(now),
+            Err(e) if e.is_outage() => self.breaker().record_failure(now),
+            Err(_) => None,
+        };
+        match transition {
+            Some(Transition::Opened) => tracing::warn!(
+                threshold = BREAKER_THRESHOLD,
+                "redis circuit breaker opened; global limits use the on_error fallback"
+            ),
+            Some(Transition::Closed { after }) if !after.is_zero() => {
+                tracing::info!(
+                    down_ms = after.as_millis() as u64,
+                    "redis is back; circuit breaker closed"
+                )
+            }
+            _ => {}
+        }
+    }
+
+    /// One script call, bounded by the timeout and counted by the breaker.
+    async fn eval(
+        &self,
+        script: &Script,
+        keys: Vec<String>,
+        args: Vec<i64>,
+    ) -> Result<Vec<i64>, RedisError> {
+        let client = self.pool.next_connected();
+        let call = script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
+        let result = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => Err(RedisError::from(e)),
+            Err(_) => Err(RedisError::Timeout),
+        };
+        self.record(result.as_ref().map(|_| ()));
+        result
+    }
+
+    async fn ping(&self) -> Result<(), RedisError> {
+        let call = self.pool.next_connected().ping::<()>(None);
+        let result = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(RedisError::from(e)),
+            Err(_) => Err(RedisError::Timeout),
+        };
+        self.record(result.as_ref().copied());
+        result
+    }
+
+    fn check_breaker(&self) -> Result<(), RedisError> {
+        if self.breaker().allows_requests() {
+            Ok(())
+        } else {
+            Err(RedisError::Unavailable)
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Without a QUIT fred's connection tasks would keep reconnecting forever.
+        if !self.shut_down.swap(true, Ordering::SeqCst)
+            && let Ok(handle) = tokio::runtime::Handle::try_current()
+        {
+            let pool = self.pool.clone();
+            handle.spawn(async move {
+                let _ = tokio::time::timeout(Duration::from_secs(1), pool.quit()).await;
+            });
+        }
+    }
+}
+
+fn fred_config(target: &RedisTarget) -> Result<Config, RedisError> {
+    let parse = |url: &str| {
+        Config::from_url(url).map_err(|e| {
+            RedisError::Connection(format!("invalid redis url {url:?}: {}", e.details()))
+        })
+    };
+    match target {
+        RedisTarget::Single(url) => parse(url),
+        RedisTarget::Cluster(urls) => {
+            let first = urls.first().ok_or_else(|| {
+                RedisError::Connection("a redis cluster needs at least one node".to_string())
+            })?;
+            // Credentials, TLS and the like come from the first URL; hosts from all of them.
+            let mut config = parse(first)?;
+            let mut hosts = Vec::new();
+            for url in urls {
+                match parse(url)?.server {
+                    ServerConfig::Centralized { server } => {
+                        hosts.push((server.host.to_string(), server.port))
+                    }
+                    ServerConfig::Clustered { hosts: seeds, .. } => {
+                        hosts.extend(seeds.into_iter().map(|s| (s.host.to_string(), s.port)))
+                    }
+                    _ => {
+                        return Err(RedisError::Connection(format!(
+                            "{url:?} is not a redis node URL"
+                        )));
+                    }
+                }
+            }
+            config.server = ServerConfig::new_clustered(hosts);
+            Ok(config)
+        }
+    }
+}
+
+impl RedisStore {
+    /// Builds the pool and starts connecting in the background: never blocks, and succeeds
+    /// while Redis is down (the breaker then opens and the probe waits for Redis). Fails
+    /// only on a bad URL or outside a Tokio runtime.
+    pub fn connect(settings: RedisSettings) -> Result<Self, RedisError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            RedisError::Connection("RedisStore::connect needs a Tokio runtime".to_string())
+        })?;
+        let mut config = fred_config(&settings.target)?;
+        // Reconnect per policy from the very first attempt instead of failing init().
+        config.fail_fast = false;
+        let cluster = config.server.is_clustered();
+        let timeout = settings.timeout.max(Duration::from_millis(1));
+        // Short backoff ceiling: decisions come back to Redis within ~1 s of it returning.
+        let mut policy = ReconnectPolicy::new_exponential(0, 10, 400, 2);
+        policy.set_jitter(20);
+        let pool = Builder::from_config(config)
+            .with_connection_config(|c: &mut ConnectionConfig| {
+                c.connection_timeout = Duration::from_secs(1);
+                c.internal_command_timeout = Duration::from_secs(1);
+                c.max_command_attempts = 1;
+                c.max_command_buffer_len = MAX_QUEUED_COMMANDS;
+                c.unresponsive = UnresponsiveConfig {
+                    max_timeout: Some(Duration::from_secs(2).max(timeout * 4)),
+                    interval: Duration::from_millis(500),
+                };
+            })
+            .with_performance_config(|p: &mut PerformanceConfig| {
+                p.default_command_timeout = timeout
+            })
+            .set_policy(policy)
+            .build_pool(settings.pool_size.max(1))
+            .map_err(|e| {
+                RedisError::Connection(format!("building the redis pool: {}", e.details()))
+            })?;
+        let _connection = pool.connect();
+
+        let inner = Arc::new(Inner {
+            pool,
+            cluster,
+            timeout,
+            scripts: Scripts::new(),
+            breaker: Mutex::new(Breaker::new(BREAKER_THRESHOLD, PROBE_EVERY)),
+            shut_down: AtomicBool::new(false),
+        });
+        runtime.spawn(probe_loop(Arc::downgrade(&inner)));
+        Ok(Self { inner })
+    }
+
+    /// Decides all of a request's global limits: checked together, charged only if all
+    /// admit. `now_override` replaces the server clock (tests only).
+    pub async fn decide(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        now_override: Option<Micros>,
+    ) -> Result<Decision, RedisError> {
+        if limits.is_empty() {
+            return Ok(Decision {
+                admitted: true,
+                per_limit: Vec::new(),
+            });
+        }
+        self.inner.check_breaker()?;
+        let groups = self.groups(limits);
+        if groups.len() == 1 {
+            let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
+            let (keys, args) = script::decide_call(&all, now_override)?;
+            let reply = self
+                .inner
+                .eval(&self.inner.scripts.decide, keys, args)
+                .await?;
+            let reply = script::decode_decide(&reply, limits.len())?;
+            return Ok(Decision {
+                admitted: reply.admitted,
+                per_limit: reply.per_limit,
+            });
+        }
+        self.decide_split(limits, groups, now_override).await
+    }
+
+    /// Indices of `limits` per script call: one group on a single Redis, one per hash slot
+    /// on a cluster.
+    fn groups(&self, limits: &[GlobalLimit<'_>]) -> Vec<Vec<usize>> {
+        if !self.inner.cluster {
+            return vec![(0..limits.len()).collect()];
+        }
+        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, limit) in limits.iter().enumerate() {
+            let keys = redis_keys(limit.key, limit.algorithm);
+            let slot = keys
+                .first()
+                .map_or(0, |k| fred::util::redis_keyslot(k.as_bytes()));
+            by_slot.entry(slot).or_default().push(i);
+        }
+        by_slot.into_values().collect()
+    }
+
+    /// The cluster path for limits on several slots: one call per slot, then refunds if any
+    /// rejected. Runs in its own task so that a caller giving up (client gone) cannot
+    /// interrupt it between a commit and its refund.
+    async fn decide_split(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        groups: Vec<Vec<usize>>,
+        now_override: Option<Micros>,
+    ) -> Result<Decision, RedisError> {
+        // Owned copies for the task; a refund needs each limit's keys and arguments again.
+        let mut calls = Vec::with_capacity(groups.len());
+        for group in &groups {
+            let members: Vec<&GlobalLimit<'_>> = group.iter().map(|&i| &limits[i]).collect();
+            let decide = script::decide_call(&members, now_override)?;
+            let refunds: Vec<(Algorithm, String, u64, Micros)> = members
+                .iter()
+                .map(|l| (l.algorithm.clone(), l.key.to_string(), l.cost, l.max_delay))
+                .collect();
+            calls.push((decide, refunds));
+        }
+        let inner = Arc::clone(&self.inner);
+        let task = tokio::spawn(async move {
+            let mut set = JoinSet::new();
+            for (g, ((keys, args), _)) in calls.iter().enumerate() {
+                let inner = Arc::clone(&inner);
+                let (keys, args) = (keys.clone(), args.clone());
+                set.spawn(async move { (g, inner.eval(&inner.scripts.decide, keys, args).await) });
+            }
+            let mut replies: Vec<Option<Result<DecideReply, RedisError>>> = vec![None; calls.len()];
+            while let Some(joined) = set.join_next().await {
+                if let Ok((g, reply)) = joined {
+                    let n = calls[g].1.len();
+                    replies[g] = Some(reply.and_then(|r| script::decode_decide(&r, n)));
+                }
+            }
+            let all_admitted = replies
+                .iter()
+                .all(|r| matches!(r, Some(Ok(d)) if d.admitted));
+            if !all_admitted {
+                // Give back what the admitting slots took.
+                let mut refunds = JoinSet::new();
+                for (g, reply) in replies.iter().enumerate() {
+                    let Some(Ok(reply)) = reply else { continue };
+                    if !reply.admitted {
+                        continue;
+                    }
+                    for (algorithm, key, cost, max_delay) in calls[g].1.iter().cloned() {
+                        let inner = Arc::clone(&inner);
+                        let at = reply.now;
+                        refunds.spawn(async move {
+                            let limit = GlobalLimit {
+                                algorithm: &algorithm,
+                                key: &key,
+                                cost,
+                                max_delay,
+                            };
+                            let result = match script::refund_call(&limit, at, now_override) {
+                                Ok((keys, args)) => inner.eval(&inner.scripts.refund, keys, args).await.map(|_| ()),
+                                Err(e) => Err(e),
+                            };
+                            if let Err(e) = result {
+                                tracing::warn!(error = %e, kind = e.kind(), "redis refund failed; units stay taken until the key expires");
+                            }
+                        });
+                    }
+                }
+                while refunds.join_next().await.is_some() {}
+            }
+            replies
+        });
+        let replies = task
+            .await
+            .map_err(|e| RedisError::Protocol(format!("decision task failed: {e}")))?;
+
+        let mut per_limit: Vec<Option<LimitVerdict>> = vec![None; limits.len()];
+        for (group, reply) in groups.iter().zip(replies) {
+            let reply = reply.unwrap_or_else(|| {
+                Err(RedisError::Protocol(
+                    "decision task lost a reply".to_string(),
+                ))
+            })?;
+            for (&i, verdict) in group.iter().zip(reply.per_limit) {
+                per_limit[i] = Some(verdict);
+            }
+        }
+        let per_limit: Vec<LimitVerdict> = per_limit
+            .into_iter()
+            .map(|v| v.ok_or_else(|| RedisError::Protocol("a limit got no verdict".to_string())))
+            .collect::<Result<_, _>>()?;
+        Ok(Decision {
+            admitted: per_limit.iter().all(LimitVerdict::is_admitted),
+            per_limit,
+        })
+    }
+
+    /// Current state of one limit's key on the server clock, read-only (admin API).
+    pub async fn peek(&self, limit: &GlobalLimit<'_>) -> Result<Snapshot, RedisError> {
+        self.peek_at(limit, None)
+            .await
+            .map(|(snapshot, _)| snapshot)
+    }
+
+    /// [`RedisStore::peek`] with a clock override (tests), also returning the instant read.
+    pub async fn peek_at(
+        &self,
+        limit: &GlobalLimit<'_>,
+        now_override: Option<Micros>,
+    ) -> Result<(Snapshot, Micros), RedisError> {
+        self.inner.check_breaker()?;
+        let (keys, args) = script::peek_call(limit, now_override)?;
+        let reply = self
+            .inner
+            .eval(&self.inner.scripts.peek, keys, args)
+            .await?;
+        script::decode_peek(&reply)
+    }
+
+    /// Gives back `limit`'s units taken by a decision at `committed_at` (the cluster path
+    /// does this itself; exposed for tests and tools). `Ok(false)`: nothing left to give back.
+    pub async fn refund(
+        &self,
+        limit: &GlobalLimit<'_>,
+        committed_at: Micros,
+        now_override: Option<Micros>,
+    ) -> Result<bool, RedisError> {
+        self.inner.check_breaker()?;
+        let (keys, args) = script::refund_call(limit, committed_at, now_override)?;
+        let reply = self
+            .inner
+            .eval(&self.inner.scripts.refund, keys, args)
+            .await?;
+        Ok(reply.first() == Some(&1))
+    }
+
+    /// The breaker lets requests through: Redis answered last time, or has not failed yet.
+    pub fn is_available(&self) -> bool {
+        self.inner.breaker().allows_requests()
+    }
+
+    pub fn health(&self) -> Health {
+        self.inner.breaker().health()
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        self.inner.cluster
+    }
+
+    /// One PING within the timeout, whatever the breaker says; its outcome feeds the breaker.
+    pub async fn ping(&self) -> Result<(), RedisError> {
+        self.inner.ping().await
+    }
+
+    /// Stops the probe and closes the connections. Calls after it fail.
+    pub async fn shutdown(&self) {
+        self.inner.shut_down.store(true, Ordering::SeqCst);
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.pool.quit()).await;
+    }
+}
+
+/// PINGs while the breaker is open or Redis never answered. Holds only a weak reference,
+/// so it ends with the last [`RedisStore`] clone (or at shutdown).
+async fn probe_loop(inner: Weak<Inner>) {
+    let mut tick = tokio::time::interval(PROBE_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.shut_down.load(Ordering::SeqCst) {
+            return;
+        }
+        let due = inner.breaker().probe_due(Instant::now());
+        if due {
+            let _ = inner.ping().await;
+        }
+    }
+}

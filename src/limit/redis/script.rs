@@ -1,0 +1,420 @@
+//! The wire format between [`RedisStore`](super::RedisStore) and the Lua scripts: script
+//! sources, key names, ARGV encoding and reply decoding. The layouts are documented at the
+//! top of `lua/decide.lua`, `lua/refund.lua` and `lua/peek.lua`; this file is their only
+//! Rust counterpart.
+
+use fred::types::scripts::Script;
+
+use super::{GlobalLimit, LimitVerdict, RedisError};
+use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
+
+/// `lib.lua` (the algorithms) followed by one entry point: each script is self-contained on
+/// the server, with a single copy of the arithmetic in the repository.
+pub const DECIDE_LUA: &str = concat!(
+    include_str!("lua/lib.lua"),
+    "\n",
+    include_str!("lua/decide.lua")
+);
+pub const REFUND_LUA: &str = concat!(
+    include_str!("lua/lib.lua"),
+    "\n",
+    include_str!("lua/refund.lua")
+);
+pub const PEEK_LUA: &str = concat!(
+    include_str!("lua/lib.lua"),
+    "\n",
+    include_str!("lua/peek.lua")
+);
+
+/// Parameters and every value derived from them stay below this, so Lua's doubles (exact to
+/// 2^53) hold them exactly next to a µs timestamp (~1.7e15 today): 2^50 µs is 35 years.
+pub const MAX_PARAM: u64 = 1 << 50;
+
+/// Values per limit in ARGV: algo, count, period, burst, cost, max_delay.
+pub const ARGS_PER_LIMIT: usize = 6;
+/// ARGV values before the first limit of decide.lua: now override, TTL floor, n.
+pub const DECIDE_HEADER: usize = 3;
+/// decide.lua's reply: all_admitted and now, then 4 values per limit.
+pub const REPLY_HEADER: usize = 2;
+pub const REPLY_PER_LIMIT: usize = 4;
+
+/// ARGV value meaning "use the server's clock".
+const SERVER_CLOCK: i64 = -1;
+
+#[derive(Clone, Debug)]
+pub struct Scripts {
+    pub decide: Script,
+    pub refund: Script,
+    pub peek: Script,
+}
+
+impl Scripts {
+    pub fn new() -> Self {
+        Self {
+            decide: Script::from_lua(DECIDE_LUA),
+            refund: Script::from_lua(REFUND_LUA),
+            peek: Script::from_lua(PEEK_LUA),
+        }
+    }
+}
+
+fn algo_code(algorithm: &Algorithm) -> i64 {
+    match algorithm {
+        Algorithm::Gcra(_) => 1,
+        Algorithm::FixedWindow(_) => 2,
+        Algorithm::SlidingWindow(_) => 3,
+        Algorithm::SlidingLog(_) => 4,
+    }
+}
+
+/// Suffix per algorithm: a limit whose algorithm changes on reload starts from fresh keys
+/// instead of misreading (or hitting WRONGTYPE on) the old algorithm's state.
+fn suffixes(algorithm: &Algorithm) -> &'static [&'static str] {
+    match algorithm {
+        Algorithm::Gcra(_) => &[":gcra"],
+        Algorithm::FixedWindow(_) => &[":fw"],
+        Algorithm::SlidingWindow(_) => &[":sw"],
+        Algorithm::SlidingLog(_) => &[":log", ":log:meta"],
+    }
+}
+
+/// The part of `key` Redis Cluster hashes: the first non-empty `{...}`, else the whole key.
+pub fn hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let len = key[open + 1..].find('}')?;
+    (len > 0).then(|| &key[open + 1..open + 1 + len])
+}
+
+/// The Redis keys one limit's state lives in. They always share one hash tag (the base key's,
+/// or the whole base key wrapped in `{}` when it has none), so a limit never spans slots.
+pub fn redis_keys(base: &str, algorithm: &Algorithm) -> Vec<String> {
+    let tagged = if hash_tag(base).is_some() {
+        base.to_string()
+    } else {
+        format!("{{{base}}}")
+    };
+    suffixes(algorithm)
+        .iter()
+        .map(|suffix| format!("{tagged}{suffix}"))
+        .collect()
+}
+
+/// Whether a limit can be decided in Lua exactly as in Rust (see [`MAX_PARAM`]). Config
+/// validation calls this for `scope: global` limits; [`RedisStore`](super::RedisStore)
+/// refuses a decision that fails it rather than decide it wrongly.
+pub fn check_params(algorithm: &Algorithm, cost: u64, max_delay: Micros) -> Result<(), String> {
+    let q = algorithm.quota();
+    let named = [
+        ("count", q.count),
+        ("period (µs)", q.period),
+        ("burst", q.burst),
+        ("cost", cost),
+        ("max_delay (µs)", max_delay),
+    ];
+    for (name, value) in named {
+        if value > MAX_PARAM {
+            return Err(format!(
+                "{name} {value} is above {MAX_PARAM}, too large for a global limit"
+            ));
+        }
+    }
+    if q.count == 0 || q.period == 0 {
+        return Err("count and period must be positive".to_string());
+    }
+    if let Algorithm::Gcra(g) = algorithm {
+        let ahead = g.tau().max(g.emission_interval().saturating_mul(cost));
+        if ahead > MAX_PARAM {
+            return Err(format!(
+                "burst × period / count is {ahead} µs, above {MAX_PARAM}, too large for a global limit"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Appends one limit's 6 ARGV values.
+fn push_limit(args: &mut Vec<i64>, limit: &GlobalLimit<'_>) -> Result<(), RedisError> {
+    check_params(limit.algorithm, limit.cost, limit.max_delay).map_err(RedisError::Script)?;
+    let q = limit.algorithm.quota();
+    // check_params bounds every value by 2^50, so the casts are lossless.
+    args.extend([
+        algo_code(limit.algorithm),
+        q.count as i64,
+        q.period as i64,
+        q.burst as i64,
+        limit.cost as i64,
+        limit.max_delay as i64,
+    ]);
+    Ok(())
+}
+
+fn now_arg(now_override: Option<Micros>) -> Result<i64, RedisError> {
+    match now_override {
+        None => Ok(SERVER_CLOCK),
+        Some(now) if now <= MAX_PARAM * 8 => Ok(now as i64),
+        Some(now) => Err(RedisError::Script(format!(
+            "now override {now} out of range"
+        ))),
+    }
+}
+
+/// A test timeline does not follow the wall clock the TTLs run on, so keys written with an
+/// overridden `now` are kept a day instead of expiring mid-test.
+fn ttl_floor_ms(now_override: Option<Micros>) -> i64 {
+    match now_override {
+        None => 1,
+        Some(_) => 86_400_000,
+    }
+}
+
+/// KEYS and ARGV of one decide.lua call over `limits`.
+pub fn decide_call(
+    limits: &[&GlobalLimit<'_>],
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    let mut keys = Vec::with_capacity(limits.len() * 2);
+    let mut args = Vec::with_capacity(DECIDE_HEADER + limits.len() * ARGS_PER_LIMIT);
+    args.extend([
+        now_arg(now_override)?,
+        ttl_floor_ms(now_override),
+        limits.len() as i64,
+    ]);
+    for limit in limits {
+        keys.extend(redis_keys(limit.key, limit.algorithm));
+        push_limit(&mut args, limit)?;
+    }
+    Ok((keys, args))
+}
+
+/// KEYS and ARGV of one refund.lua call undoing `limit`'s commit taken at `committed_at`.
+pub fn refund_call(
+    limit: &GlobalLimit<'_>,
+    committed_at: Micros,
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    let mut args = vec![
+        now_arg(now_override)?,
+        ttl_floor_ms(now_override),
+        now_arg(Some(committed_at))?,
+    ];
+    push_limit(&mut args, limit)?;
+    Ok((redis_keys(limit.key, limit.algorithm), args))
+}
+
+/// KEYS and ARGV of one peek.lua call.
+pub fn peek_call(
+    limit: &GlobalLimit<'_>,
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    let mut args = vec![now_arg(now_override)?];
+    push_limit(&mut args, limit)?;
+    Ok((redis_keys(limit.key, limit.algorithm), args))
+}
+
+/// decide.lua's reply for `n` limits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecideReply {
+    pub admitted: bool,
+    /// The instant (server clock, or the override) the decision was taken at.
+    pub now: Micros,
+    pub per_limit: Vec<LimitVerdict>,
+}
+
+fn unsigned(v: i64, what: &str) -> Result<u64, RedisError> {
+    u64::try_from(v).map_err(|_| RedisError::Protocol(format!("negative {what}: {v}")))
+}
+
+fn flag(v: i64, what: &str) -> Result<bool, RedisError> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(RedisError::Protocol(format!(
+            "{what} is {v}, expected 0 or 1"
+        ))),
+    }
+}
+
+pub fn decode_decide(reply: &[i64], n: usize) -> Result<DecideReply, RedisError> {
+    if reply.len() != REPLY_HEADER + REPLY_PER_LIMIT * n {
+        return Err(RedisError::Protocol(format!(
+            "decide returned {} values for {n} limits",
+            reply.len()
+        )));
+    }
+    let admitted = flag(reply[0], "all_admitted")?;
+    let now = unsigned(reply[1], "now")?;
+    let per_limit = reply[REPLY_HEADER..]
+        .chunks_exact(REPLY_PER_LIMIT)
+        .map(|v| {
+            let remaining = unsigned(v[1], "remaining")?;
+            let reset_after = unsigned(v[2], "reset_after")?;
+            let wait = unsigned(v[3], "retry_after/delay")?;
+            Ok(if flag(v[0], "admitted")? {
+                LimitVerdict::Admitted {
+                    snapshot: Snapshot {
+                        remaining,
+                        reset_after,
+                    },
+                    delay: wait,
+                }
+            } else {
+                LimitVerdict::Rejected(Rejection {
+                    retry_after: wait,
+                    remaining,
+                    reset_after,
+                })
+            })
+        })
+        .collect::<Result<Vec<_>, RedisError>>()?;
+    if admitted != per_limit.iter().all(LimitVerdict::is_admitted) {
+        return Err(RedisError::Protocol(
+            "all_admitted disagrees with the per-limit verdicts".to_string(),
+        ));
+    }
+    Ok(DecideReply {
+        admitted,
+        now,
+        per_limit,
+    })
+}
+
+/// peek.lua's reply: the snapshot and the instant it describes.
+pub fn decode_peek(reply: &[i64]) -> Result<(Snapshot, Micros), RedisError> {
+    match reply {
+        &[remaining, reset_after, now] => Ok((
+            Snapshot {
+                remaining: unsigned(remaining, "remaining")?,
+                reset_after: unsigned(reset_after, "reset_after")?,
+            },
+            unsigned(now, "now")?,
+        )),
+        _ => Err(RedisError::Protocol(format!(
+            "peek returned {} values, expected 3",
+            reply.len()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::algorithm::{Gcra, Quota, SlidingLog, SlidingWindow};
+
+    fn quota(count: u64, period: Micros) -> Quota {
+        Quota {
+            count,
+            period,
+            burst: count,
+        }
+    }
+
+    #[test]
+    fn keys_share_the_base_tag_or_get_one() {
+        let log = Algorithm::SlidingLog(SlidingLog::new(quota(5, 1000)));
+        assert_eq!(
+            redis_keys("tg:{users/per-user/alice}", &log),
+            [
+                "tg:{users/per-user/alice}:log",
+                "tg:{users/per-user/alice}:log:meta"
+            ]
+        );
+        assert_eq!(
+            redis_keys("plain", &log),
+            ["{plain}:log", "{plain}:log:meta"]
+        );
+        // "{}" is no tag: Redis would hash the whole key.
+        assert_eq!(
+            redis_keys("a{}b", &Algorithm::Gcra(Gcra::new(quota(5, 1000)))),
+            ["{a{}b}:gcra"]
+        );
+        assert_eq!(hash_tag("x{a}{b}"), Some("a"));
+        assert_eq!(hash_tag("x{a"), None);
+    }
+
+    #[test]
+    fn params_out_of_lua_range_are_refused() {
+        let ok = Algorithm::SlidingWindow(SlidingWindow::new(quota(10_000_000, 86_400_000_000)));
+        assert_eq!(check_params(&ok, 1, 0), Ok(()));
+        let huge = Algorithm::SlidingWindow(SlidingWindow::new(quota(5, MAX_PARAM + 1)));
+        assert!(check_params(&huge, 1, 0).is_err());
+        let deep = Algorithm::Gcra(Gcra::new(Quota {
+            count: 1,
+            period: 1 << 40,
+            burst: 1 << 20,
+        }));
+        assert!(check_params(&deep, 1, 0).is_err());
+    }
+
+    #[test]
+    fn decide_layout_round_trips() {
+        let g = Algorithm::Gcra(Gcra::new(Quota {
+            count: 10,
+            period: 1_000_000,
+            burst: 5,
+        }));
+        let l = SlidingLog::new(quota(3, 1000));
+        let l = Algorithm::SlidingLog(l);
+        let a = GlobalLimit {
+            algorithm: &g,
+            key: "tg:{r/a/x}",
+            cost: 2,
+            max_delay: 7,
+        };
+        let b = GlobalLimit {
+            algorithm: &l,
+            key: "tg:{r/b/x}",
+            cost: 1,
+            max_delay: 0,
+        };
+        let (keys, args) = decide_call(&[&a, &b], Some(42)).unwrap();
+        assert_eq!(
+            keys,
+            ["tg:{r/a/x}:gcra", "tg:{r/b/x}:log", "tg:{r/b/x}:log:meta"]
+        );
+        assert_eq!(
+            args,
+            [
+                42, 86_400_000, 2, 1, 10, 1_000_000, 5, 2, 7, 4, 3, 1000, 3, 1, 0
+            ]
+        );
+        assert_eq!(decide_call(&[&a], None).unwrap().1[..2], [-1, 1]);
+
+        let reply = [0, 99, 1, 3, 400, 0, 0, 0, 1000, 250];
+        let d = decode_decide(&reply, 2).unwrap();
+        assert!(!d.admitted);
+        assert_eq!(d.now, 99);
+        assert_eq!(
+            d.per_limit,
+            [
+                LimitVerdict::Admitted {
+                    snapshot: Snapshot {
+                        remaining: 3,
+                        reset_after: 400
+                    },
+                    delay: 0
+                },
+                LimitVerdict::Rejected(Rejection {
+                    retry_after: 250,
+                    remaining: 0,
+                    reset_after: 1000
+                })
+            ]
+        );
+        assert!(decode_decide(&reply, 1).is_err());
+        assert!(
+            decode_decide(&[1, 99, 0, 0, 0, 1], 1).is_err(),
+            "flag disagrees"
+        );
+        assert!(decode_decide(&[1, 99, 1, -1, 0, 0], 1).is_err());
+        assert_eq!(
+            decode_peek(&[2, 5, 9]).unwrap(),
+            (
+                Snapshot {
+                    remaining: 2,
+                    reset_after: 5
+                },
+                9
+            )
+        );
+    }
+}

@@ -1,0 +1,98 @@
+//! The binary as an operator runs it: `check`, `--version`, and a bad file's one-line error.
+
+use std::process::Command;
+
+fn tollgate() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tollgate"))
+}
+
+#[test]
+fn check_accepts_the_shipped_routes_yaml_and_prints_a_summary() {
+    let out = tollgate()
+        .args([
+            "check",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml"),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for word in [
+        "users",
+        "search",
+        "default",
+        "per-ip",
+        "per-user",
+        "per-api-key",
+    ] {
+        assert!(stdout.contains(word), "summary lacks {word}:\n{stdout}");
+    }
+}
+
+#[test]
+fn check_refuses_a_bad_file_with_path_line_col() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.yaml");
+    std::fs::write(
+        &path,
+        "routes:\n  - name: a\n    upstream: http://127.0.0.1:1\n    limits:\n      - name: l\n        rate: 10/fortnight\n",
+    )
+    .unwrap();
+    let out = tollgate()
+        .args(["check", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let expected = format!("{}:6:15: ", path.display());
+    assert!(stderr.starts_with(&expected), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unknown_field_is_refused_by_check_with_its_position() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.yaml");
+    std::fs::write(&path, "server:\n  listen: 127.0.0.1:8080\n  bogus: 1\n").unwrap();
+    let out = tollgate()
+        .args(["check", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("{}:3:3: ", path.display())),
+        "{stderr}"
+    );
+    assert!(stderr.contains("bogus"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn version_prints_the_crate_version() {
+    let out = tollgate().arg("--version").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(env!("CARGO_PKG_VERSION")));
+}
+
+#[test]
+fn run_with_a_bad_file_exits_1_without_serving() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.yaml");
+    std::fs::write(&path, "routes: 5\n").unwrap();
+    let out = tollgate()
+        .args(["run", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{}:1:", path.display())));
+    let _ = std::fs::remove_dir_all(&dir);
+}
