@@ -1,0 +1,227 @@
+//! The in-process tier in front of Redis: answers "Redis would reject this" without a round
+//! trip, from what Redis itself said.
+//!
+//! After each Redis answer for a key, the tier records `admit_at`: the earliest local time at
+//! which Redis could admit the limit's next request (every request of a limit has the same
+//! cost). A rejection gives it directly (`sent + retry_after`); an admission gives it for gcra
+//! (the bucket's new TAT is `now + reset_after`, so the next request fits at
+//! `TAT + T·cost − τ` — this is the GCRA bucket mirroring Redis's) and for fixed_window when the
+//! window is used up (its end). Until then, requests for that key are rejected locally; a flood
+//! from one client costs about one Redis command per emission interval instead of one per
+//! request.
+//!
+//! Bound: never stricter than Redis. Times are anchored at `sent`, the local time the script was
+//! sent, which is no later than the moment Redis decided, so `admit_at` is never later than the
+//! true one; and a limit's Redis state only moves towards "more consumed" between answers
+//! (every commit consumes; nothing but time gives back). The one exception is a Cluster
+//! reserve-then-refund: an answer that saw units another request reserved and then refunded can
+//! make the tier stricter by at most those units — under one request's cost per racing request,
+//! for at most that answer's `retry_after`.
+
+use super::sharded::Sharded;
+use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
+
+#[derive(Clone, Copy, Debug)]
+struct Deny {
+    /// Earliest local time Redis could admit the next request right away.
+    admit_at: Micros,
+    /// When the key is back to full, for the `RateLimit` fields of a local answer.
+    reset_at: Micros,
+    remaining: u64,
+}
+
+#[derive(Default)]
+pub struct DenyCache {
+    map: Sharded<Deny>,
+}
+
+impl std::fmt::Debug for DenyCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DenyCache")
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+impl DenyCache {
+    /// The rejection to answer with, if Redis is known to reject a request for `key` at `now`.
+    /// `max_delay`: a delaying limit can still reserve from `admit_at − max_delay` on.
+    pub fn check(&self, key: &[u8], now: Micros, max_delay: Micros) -> Option<Rejection> {
+        let hash = self.map.hash(key);
+        let shard = self.map.lock(hash);
+        let d = shard.get(hash, key, now)?;
+        (d.admit_at.saturating_sub(max_delay) > now).then(|| Rejection {
+            retry_after: d.admit_at - now,
+            remaining: d.remaining,
+            reset_after: d.reset_at.saturating_sub(now),
+        })
+    }
+
+    /// Learns from Redis rejecting `key`'s request in a script sent at local time `sent`.
+    pub fn rejected(&self, key: &[u8], sent: Micros, r: &Rejection, max_delay: Micros) {
+        self.record(
+            key,
+            sent,
+            Deny {
+                admit_at: sent + r.retry_after,
+                reset_at: sent + r.reset_after.max(r.retry_after),
+                remaining: r.remaining,
+            },
+            max_delay,
+        );
+    }
+
+    /// Learns from Redis admitting `key`'s request (of `cost`) in a script sent at `sent`.
+    pub fn admitted(
+        &self,
+        key: &[u8],
+        sent: Micros,
+        algorithm: &Algorithm,
+        cost: u64,
+        s: &Snapshot,
+        max_delay: Micros,
+    ) {
+        let admit_at = match algorithm {
+            Algorithm::Gcra(g) => {
+                // Redis's TAT is now_redis + reset_after >= sent + reset_after.
+                let tat = sent + s.reset_after;
+                (tat + g.emission_interval() * cost).saturating_sub(g.tau())
+            }
+            Algorithm::FixedWindow(_) if s.remaining < cost => sent + s.reset_after,
+            // The sliding algorithms' next admission depends on state the answer does not
+            // carry; their rejections still teach the tier.
+            _ => return,
+        };
+        if admit_at > sent {
+            self.record(
+                key,
+                sent,
+                Deny {
+                    admit_at,
+                    reset_at: sent + s.reset_after,
+                    remaining: s.remaining,
+                },
+                max_delay,
+            );
+        }
+    }
+
+    fn record(&self, key: &[u8], sent: Micros, d: Deny, max_delay: Micros) {
+        let until = d.admit_at.saturating_sub(max_delay);
+        if until <= sent {
+            return;
+        }
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        shard.update(
+            hash,
+            key,
+            sent,
+            || d,
+            |cur, live| {
+                // Answers can arrive out of order; the later admit_at is the better-informed
+                // one (state only moves towards more consumed).
+                if !live || d.admit_at >= cur.admit_at {
+                    *cur = d;
+                }
+                cur.admit_at.saturating_sub(max_delay)
+            },
+        );
+    }
+
+    pub fn sweep(&self, now: Micros) -> usize {
+        self.map.sweep(now)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::algorithm::{FixedWindow, Gcra, Quota, SlidingLog};
+
+    const Q: Quota = Quota {
+        count: 10,
+        period: 1_000_000,
+        burst: 2,
+    };
+
+    #[test]
+    fn a_rejection_is_remembered_until_retry_after() {
+        let c = DenyCache::default();
+        let r = Rejection {
+            retry_after: 300,
+            remaining: 0,
+            reset_after: 500,
+        };
+        c.rejected(b"k", 1_000, &r, 0);
+        let local = c.check(b"k", 1_100, 0).unwrap();
+        assert_eq!(local.retry_after, 200);
+        assert!(c.check(b"k", 1_299, 0).is_some());
+        assert!(
+            c.check(b"k", 1_300, 0).is_none(),
+            "admit_at is when Redis admits: go ask"
+        );
+        assert!(c.check(b"other", 1_100, 0).is_none());
+        // A delaying limit may reserve max_delay before admit_at.
+        assert!(c.check(b"k", 1_250, 50).is_none());
+        assert!(c.check(b"k", 1_249, 50).is_some());
+    }
+
+    /// The tier mirrors the gcra bucket: it rejects exactly where the pure core would, given the
+    /// same admissions, and never earlier.
+    #[test]
+    fn gcra_admission_mirrors_the_bucket() {
+        let alg = Algorithm::Gcra(Gcra::new(Q));
+        let c = DenyCache::default();
+        let mut state = alg.new_state();
+        let now = 5_000_000;
+        for _ in 0..2 {
+            let s = alg.check(&state, now, 1).unwrap();
+            alg.commit(&mut state, now, 1);
+            c.admitted(b"k", now, &alg, 1, &s, 0);
+        }
+        // Burst used: the core rejects until retry_after, and so does the tier.
+        let r = alg.check(&state, now, 1).unwrap_err();
+        let local = c.check(b"k", now, 0).unwrap();
+        assert_eq!(local.retry_after, r.retry_after);
+        assert!(c.check(b"k", now + r.retry_after - 1, 0).is_some());
+        assert!(c.check(b"k", now + r.retry_after, 0).is_none());
+        assert!(alg.check(&state, now + r.retry_after, 1).is_ok());
+    }
+
+    #[test]
+    fn fixed_window_learns_from_the_last_unit_and_sliding_log_only_from_rejections() {
+        let fw = Algorithm::FixedWindow(FixedWindow::new(Q));
+        let c = DenyCache::default();
+        let s = Snapshot {
+            remaining: 0,
+            reset_after: 400,
+        };
+        c.admitted(b"k", 100, &fw, 1, &s, 0);
+        assert_eq!(c.check(b"k", 200, 0).unwrap().retry_after, 300);
+        let log = Algorithm::SlidingLog(SlidingLog::new(Q));
+        c.admitted(b"l", 100, &log, 1, &s, 0);
+        assert!(c.check(b"l", 200, 0).is_none());
+    }
+
+    #[test]
+    fn entries_expire_and_are_swept() {
+        let c = DenyCache::default();
+        let r = Rejection {
+            retry_after: 10,
+            remaining: 0,
+            reset_after: 10,
+        };
+        c.rejected(b"k", 0, &r, 0);
+        assert_eq!(c.sweep(5), 1);
+        assert_eq!(c.sweep(10), 0);
+    }
+}

@@ -1,0 +1,134 @@
+//! A concurrent map from key bytes to a value that expires: the storage under both the local
+//! limit store and the in-process tier in front of Redis.
+//!
+//! [`SHARDS`] mutex-guarded hash tables, chosen by the key's hash, so concurrent requests for
+//! different keys rarely meet and no lock is global. The hash is computed once per request and
+//! used for both the shard and the table. Expired entries read as absent and are dropped by
+//! [`Sharded::sweep`], so memory follows live keys only.
+
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::limit::algorithm::Micros;
+
+/// Power of two; enough that two cores (or twenty) rarely contend on one shard.
+pub const SHARDS: usize = 64;
+
+struct Entry<V> {
+    hash: u64,
+    key: Box<[u8]>,
+    value: V,
+    expires_at: Micros,
+}
+
+pub struct Shard<V> {
+    table: HashTable<Entry<V>>,
+}
+
+impl<V> Default for Shard<V> {
+    fn default() -> Self {
+        Self {
+            table: HashTable::new(),
+        }
+    }
+}
+
+impl<V> Shard<V> {
+    /// The live value of `key` at `now`.
+    pub fn get(&self, hash: u64, key: &[u8], now: Micros) -> Option<&V> {
+        self.table
+            .find(hash, |e| e.hash == hash && *e.key == *key)
+            .filter(|e| e.expires_at > now)
+            .map(|e| &e.value)
+    }
+
+    /// Updates `key` in place: `f` gets the live value (or `None` when absent or expired) and
+    /// returns the new expiry; the entry is created from `init` when absent.
+    pub fn update(
+        &mut self,
+        hash: u64,
+        key: &[u8],
+        now: Micros,
+        init: impl FnOnce() -> V,
+        f: impl FnOnce(&mut V, bool) -> Micros,
+    ) {
+        match self
+            .table
+            .find_mut(hash, |e| e.hash == hash && *e.key == *key)
+        {
+            Some(e) => {
+                let live = e.expires_at > now;
+                if !live {
+                    e.value = init();
+                }
+                e.expires_at = f(&mut e.value, live);
+            }
+            None => {
+                let mut value = init();
+                let expires_at = f(&mut value, false);
+                self.table.insert_unique(
+                    hash,
+                    Entry {
+                        hash,
+                        key: key.into(),
+                        value,
+                        expires_at,
+                    },
+                    |e| e.hash,
+                );
+            }
+        }
+    }
+}
+
+/// Cache-line aligned so neighbouring shard locks do not false-share.
+#[repr(align(64))]
+struct Padded<V>(Mutex<Shard<V>>);
+
+pub struct Sharded<V> {
+    shards: Box<[Padded<V>]>,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl<V> Default for Sharded<V> {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS)
+                .map(|_| Padded(Mutex::new(Shard::default())))
+                .collect(),
+            hasher: foldhash::fast::RandomState::default(),
+        }
+    }
+}
+
+impl<V> Sharded<V> {
+    pub fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The shard holding `hash`. The table uses the hash's low bits; the shard its high ones.
+    pub fn lock(&self, hash: u64) -> MutexGuard<'_, Shard<V>> {
+        self.shards[(hash >> 58) as usize % SHARDS].0.lock()
+    }
+
+    /// Drops every entry expired at `now`; returns the number kept.
+    pub fn sweep(&self, now: Micros) -> usize {
+        let mut kept = 0;
+        for s in self.shards.iter() {
+            let mut shard = s.0.lock();
+            shard.table.retain(|e| e.expires_at > now);
+            kept += shard.table.len();
+        }
+        kept
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.0.lock().table.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
