@@ -26,6 +26,8 @@ type Body = BoxBody<Bytes, Infallible>;
 pub struct Upstream {
     pub addr: SocketAddr,
     pub hits: Arc<AtomicUsize>,
+    /// When each request arrived, in arrival order.
+    pub arrivals: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
     pub name: &'static str,
     task: tokio::task::JoinHandle<()>,
 }
@@ -45,16 +47,20 @@ impl Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
+        let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
         let h = hits.clone();
+        let arr = arrivals.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
                 let h = h.clone();
+                let arr = arr.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         h.fetch_add(1, Ordering::SeqCst);
+                        arr.lock().unwrap().push(std::time::Instant::now());
                         handle(req, name)
                     });
                     let _ = auto::Builder::new(TokioExecutor::new())
@@ -66,6 +72,7 @@ impl Upstream {
         Self {
             addr,
             hits,
+            arrivals,
             name,
             task,
         }

@@ -239,8 +239,25 @@ impl Drop for Inner {
     }
 }
 
+const REDIS_SCHEMES: [&str; 6] = [
+    "redis",
+    "rediss",
+    "redis-cluster",
+    "rediss-cluster",
+    "redis-sentinel",
+    "rediss-sentinel",
+];
+
 fn fred_config(target: &RedisTarget) -> Result<Config, RedisError> {
     let parse = |url: &str| {
+        // fred reads any scheme as a plain server; a typo like http:// must not pass.
+        let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+        if !scheme.is_some_and(|s| REDIS_SCHEMES.contains(&s)) {
+            return Err(RedisError::Connection(format!(
+                "invalid redis url {url:?}: expected one of {}",
+                REDIS_SCHEMES.map(|s| format!("{s}://")).join(", ")
+            )));
+        }
         Config::from_url(url).map_err(|e| {
             RedisError::Connection(format!("invalid redis url {url:?}: {}", e.details()))
         })
