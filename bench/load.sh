@@ -149,7 +149,7 @@ ensure_tollgate() {
         command -v cargo >/dev/null || die "$stale, and no cargo to build it"
         # cargo waits by itself if another cargo holds the build lock.
         log "building: cargo build --release ($stale)"
-        (cd "$REPO" && timeout "$BUILD_TIMEOUT" cargo build --release --bin tollgate) >&2 \
+        (cd "$REPO" && timeout --foreground "$BUILD_TIMEOUT" cargo build --release --bin tollgate) >&2 \
             || die "cargo build --release failed"
         [[ -x "$TOLLGATE_BIN" ]] || die "no $TOLLGATE_BIN after the build"
     fi
@@ -319,7 +319,7 @@ run_wrk() {
     local pids; pids="$(server_pids "$target")"
     local t0 c0 s0 s1 c1 t1 ms0 ms1
     t0="$(cpu_ticks $pids)"; c0="$(core_sample)"; ms0="$(date +%s%N)"
-    timeout $((secs + 30)) taskset -c "$LOAD_CPU" \
+    timeout --foreground $((secs + 30)) taskset -c "$LOAD_CPU" \
         wrk -t1 -c"$CONNECTIONS" -d"${secs}s" --latency "$(target_url "$target")" > "$out" 2>&1 \
         || die "wrk against ${LABEL[$target]} failed: $(tail -3 "$out")"
     ms1="$(date +%s%N)"; c1="$(core_sample)"; t1="$(cpu_ticks $pids)"

@@ -510,3 +510,58 @@ async fn dot_segments_are_refused_with_400() {
     assert!(out.starts_with("HTTP/1.1 400"), "{out}");
     assert_eq!(up.hits(), 0);
 }
+
+#[tokio::test]
+async fn upgrade_requests_pass_through_both_ways_after_the_limit_decision() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = Upstream::start().await;
+    let routes = "  - name: ws
+    upstream: UPSTREAM
+    limits:
+      - name: per-ip
+        rate: 1/1m
+";
+    let (g, _clock) = Gateway::start_manual(&yaml(&up.url(), routes)).await;
+    let mut s = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    s.write_all(
+        b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: echo"), "{head}");
+    assert!(head.contains("ratelimit:"), "{head}");
+    for msg in [&b"ping"[..], b"and pong"] {
+        s.write_all(msg).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg);
+    }
+    // The upgrade request consumed the limit: the next one is rejected before any switch.
+    let r = client().get(g.url("/upgrade")).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+}
+
+#[tokio::test]
+async fn request_ids_are_kept_or_generated_and_sent_both_ways() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "  - name: all\n    upstream: UPSTREAM\n")).await;
+    let c = client();
+    let r = c
+        .get(g.url("/"))
+        .header("x-request-id", "abc-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-request-id"], "abc-1");
+    assert_eq!(echo(r).await["headers"]["x-request-id"], "abc-1");
+    let r = c.get(g.url("/")).send().await.unwrap();
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(id.len(), 32);
+    assert_eq!(echo(r).await["headers"]["x-request-id"], id.as_str());
+    let r = c.get(g.url("/nowhere-at-all")).send().await;
+    assert!(r.unwrap().headers().contains_key("x-request-id"));
+}

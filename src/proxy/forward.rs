@@ -41,6 +41,10 @@ pub async fn forward(
     rt: &Runtime,
 ) -> Response<Body> {
     let upstream = route.pick_upstream();
+    let upgrade = headers::is_upgrade(req.version(), req.headers());
+    let mut req = req;
+    // Taken before the request is consumed: the client side of a protocol switch.
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let Ok(uri) = upstream.target(pq) else {
@@ -52,7 +56,7 @@ pub async fn forward(
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
-    headers::strip_hop_by_hop(&mut parts.headers, false);
+    headers::strip_hop_by_hop(&mut parts.headers, upgrade);
     match client_host {
         Some(h) => {
             parts.headers.insert(HOST, h);
@@ -78,9 +82,14 @@ pub async fn forward(
     let result = tokio::time::timeout(route.timeout, proxy.client.request(upstream_req)).await;
     route.metrics.upstream_duration.observe(started.elapsed());
     match result {
-        Ok(Ok(resp)) => {
+        Ok(Ok(mut resp)) => {
+            let switched = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+            if let (true, Some(client_upgrade)) = (switched, client_upgrade) {
+                let upstream_upgrade = hyper::upgrade::on(&mut resp);
+                tokio::spawn(tunnel(client_upgrade, upstream_upgrade, route.name.clone()));
+            }
             let (mut parts, body) = resp.into_parts();
-            headers::strip_hop_by_hop(&mut parts.headers, false);
+            headers::strip_hop_by_hop(&mut parts.headers, switched);
             Response::from_parts(parts, body.boxed())
         }
         Ok(Err(e)) => {
@@ -91,5 +100,24 @@ pub async fn forward(
             tracing::warn!(route = %route.name, timeout = ?route.timeout, "upstream timed out");
             response::gateway_timeout(&route.name)
         }
+    }
+}
+
+/// Copies bytes both ways once both sides have switched protocols (WebSocket and any other
+/// `Upgrade`); the limit decision was made on the upgrade request.
+async fn tunnel(
+    client: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    route: std::sync::Arc<str>,
+) {
+    match tokio::try_join!(client, upstream) {
+        Ok((c, u)) => {
+            let mut c = hyper_util::rt::TokioIo::new(c);
+            let mut u = hyper_util::rt::TokioIo::new(u);
+            if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
+                tracing::debug!(route = %route, error = %e, "upgraded connection ended");
+            }
+        }
+        Err(e) => tracing::debug!(route = %route, error = %e, "upgrade failed"),
     }
 }

@@ -49,6 +49,18 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
+/// An HTTP/1.1 request asking to switch protocols (`Connection: upgrade` plus `Upgrade`).
+pub fn is_upgrade(version: http::Version, h: &HeaderMap) -> bool {
+    version == http::Version::HTTP_11
+        && h.contains_key(http::header::UPGRADE)
+        && h.get_all(CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|s| {
+                s.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+        })
+}
+
 /// Sets `X-Forwarded-For` (the peer appended to what came in), `-Proto` and `-Host`.
 /// `-Proto`/`-Host` from the client are kept only when the peer is a trusted proxy.
 pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto: &'static str) {

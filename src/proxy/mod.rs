@@ -7,6 +7,7 @@
 
 pub mod forward;
 pub mod headers;
+pub mod request_id;
 pub mod response;
 
 use std::convert::Infallible;
@@ -51,7 +52,19 @@ impl Proxy {
         Ok(self.handle(req, peer).await)
     }
 
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let id = request_id::ensure(req.headers_mut());
+        let mut resp = self.dispatch(req, peer, &id).await;
+        resp.headers_mut().insert(&request_id::X_REQUEST_ID, id);
+        resp
+    }
+
+    async fn dispatch(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        id: &http::HeaderValue,
+    ) -> Response<Body> {
         let started = Instant::now();
         let rt = self.runtime.load_full();
         let host = req
@@ -62,12 +75,17 @@ impl Proxy {
         let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
+            tracing::debug!(request_id = ?id, method = %req.method(), status = 404, "no route");
             return resp;
         };
         let route = &rt.routes[idx];
-        let resp = self.handle_route(&rt, route, req, peer).await;
-        route.metrics.request(resp.status().as_u16());
-        route.metrics.request_duration.observe(started.elapsed());
+        let method = req.method().clone();
+        let resp = self.handle_route(&rt, route, req, peer, id).await;
+        let status = resp.status().as_u16();
+        route.metrics.request(status);
+        let elapsed = started.elapsed();
+        route.metrics.request_duration.observe(elapsed);
+        tracing::debug!(request_id = ?id, route = %route.name, %method, status, ?elapsed, "request");
         resp
     }
 
@@ -77,6 +95,7 @@ impl Proxy {
         route: &Route,
         req: Request<Incoming>,
         peer: SocketAddr,
+        id: &http::HeaderValue,
     ) -> Response<Body> {
         if has_dot_segment(req.uri().path()) {
             return response::bad_request("dot segments are not allowed in the path");
@@ -109,7 +128,7 @@ impl Proxy {
         let info = match verdict {
             Verdict::Reject { limit, rejection } => {
                 let l = &limits.limits[limit];
-                tracing::info!(route = %route.name, limit = %l.name, status = 429, "rate limited");
+                tracing::info!(request_id = ?id, route = %route.name, limit = %l.name, status = 429, "rate limited");
                 return response::too_many_requests(&route.name, l, &rejection);
             }
             Verdict::MissingKey { limit, part } => {

@@ -135,7 +135,12 @@ impl RedisCluster {
         }
         let cluster = Self { nodes };
         let mut create = vec!["--cluster".to_string(), "create".to_string()];
-        create.extend(cluster.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        create.extend(
+            cluster
+                .nodes
+                .iter()
+                .map(|n| format!("127.0.0.1:{}", n.port)),
+        );
         create.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
         let create: Vec<&str> = create.iter().map(String::as_str).collect();
         let out = run_cli(cluster.nodes[0].port, false, &create);
@@ -324,7 +329,9 @@ fn spawn_server(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String
         }
         if let Ok(Some(status)) = child.try_wait() {
             let log = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!("redis-server exited with {status} on port {port}: {log}"));
+            return Err(format!(
+                "redis-server exited with {status} on port {port}: {log}"
+            ));
         }
         if Instant::now() > deadline {
             let _ = child.kill();

@@ -137,6 +137,24 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
         tokio::spawn(async move { while body.frame().await.is_some() {} });
         return Ok(Response::new(full(format!("first:{first}"))));
     }
+    if path.starts_with("/upgrade") && req.headers().contains_key("upgrade") {
+        // Switch to a raw echo protocol: whatever arrives is sent back.
+        let mut req = req;
+        let on = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            if let Ok(io) = on.await {
+                let mut io = TokioIo::new(io);
+                let (mut r, mut w) = tokio::io::split(&mut io);
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            }
+        });
+        let mut r = Response::new(full(""));
+        *r.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
+        r.headers_mut().insert("upgrade", "echo".parse().unwrap());
+        r.headers_mut()
+            .insert("connection", "upgrade".parse().unwrap());
+        return Ok(r);
+    }
     if path.starts_with("/hop") {
         let mut r = Response::new(full("hop"));
         let h = r.headers_mut();

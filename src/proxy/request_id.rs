@@ -1,0 +1,65 @@
+//! `X-Request-Id`: kept from the client when it is sane, generated otherwise, sent upstream and
+//! back, and carried in log lines.
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Longest client-supplied id kept; longer (or non-visible-ASCII) ones are replaced.
+const MAX_LEN: usize = 128;
+
+/// The request's id, inserting a fresh one into `headers` when absent or unusable.
+pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
+    if let Some(v) = headers.get(&X_REQUEST_ID)
+        && !v.is_empty()
+        && v.len() <= MAX_LEN
+        && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+    {
+        return v.clone();
+    }
+    let id = generate();
+    headers.insert(&X_REQUEST_ID, id.clone());
+    id
+}
+
+/// 32 hex digits: a per-process random prefix and a counter — unique without a random number
+/// generator on the request path.
+fn generate() -> HeaderValue {
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let prefix = *PREFIX.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let s = format!("{prefix:016x}{n:016x}");
+    HeaderValue::from_str(&s).unwrap_or_else(|_| HeaderValue::from_static("0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_a_sane_id_and_replaces_others() {
+        let mut h = HeaderMap::new();
+        h.insert(&X_REQUEST_ID, HeaderValue::from_static("abc-123"));
+        assert_eq!(ensure(&mut h), "abc-123");
+        h.insert(&X_REQUEST_ID, HeaderValue::from_static("has space"));
+        let id = ensure(&mut h);
+        assert_eq!(id.len(), 32);
+        assert_eq!(h[&X_REQUEST_ID], id);
+        let mut h2 = HeaderMap::new();
+        assert_ne!(ensure(&mut h2), id, "ids are unique");
+    }
+}
