@@ -374,8 +374,9 @@ main() {
     # Is the machine quiet? (Other work on these cores skews everything.)
     local q0 q1 quiet
     q0="$(core_sample)"; sleep 1; q1="$(core_sample)"
-    quiet="$(awk -v c0="$q0" -v c1="$q1" 'BEGIN { split(c0, a, " "); split(c1, b, " ")
-        printf "core %d %.0f%% busy, core %d %.0f%% busy", '"$PROXY_CPU"', (b[1]-a[1])/((b[2]-a[2])||1)*100, '"$LOAD_CPU"', (b[3]-a[3])/((b[4]-a[4])||1)*100 }')"
+    quiet="$(awk -v c0="$q0" -v c1="$q1" -v p="$PROXY_CPU" -v l="$LOAD_CPU" 'BEGIN { split(c0, a, " "); split(c1, b, " ")
+        d0 = b[2] - a[2]; d1 = b[4] - a[4]
+        printf "core %d %.0f%% busy, core %d %.0f%% busy", p, d0 ? (b[1] - a[1]) / d0 * 100 : 0, l, d1 ? (b[3] - a[3]) / d1 * 100 : 0 }')"
 
     log "starting upstream, nginx proxy, tollgate x3 (temp dir $TMP)"
     start_upstream

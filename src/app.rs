@@ -185,6 +185,11 @@ impl App {
         let shared = self.shared;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
+        let watcher = shared
+            .options
+            .config_path
+            .clone()
+            .map(|path| tokio::spawn(watch(shared.clone(), path, stop_rx.clone())));
         let admin = {
             let router = crate::admin::router(shared.clone());
             let mut rx = stop_rx.clone();
@@ -215,6 +220,9 @@ impl App {
             tracing::warn!(connections = left, "exiting with connections still open");
         }
         sweeper.abort();
+        if let Some(w) = watcher {
+            w.abort();
+        }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin).await;
     }
 }
@@ -232,5 +240,24 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
         let now = shared.proxy.clock.now();
         let kept: usize = rt.stores().map(|s| s.sweep(now)).sum();
         shared.proxy.metrics.set_local_keys(kept);
+    }
+}
+
+/// Reloads when the config file changes on disk.
+async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut w = match crate::config::watch::ConfigWatch::new(&path) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot watch the config file; reload with SIGHUP or POST /admin/reload");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = w.changed() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        // A refused file is logged and counted inside reload; the running config stays.
+        let _ = shared.reload().await;
     }
 }

@@ -118,6 +118,17 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     })
     .await?;
     tracing::info!(proxy = %app.proxy_addr(), admin = %app.admin_addr(), "tollgate listening");
+    let shared = app.shared();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: reloading the config");
+            let _ = shared.reload().await;
+        }
+    });
     app.run(shutdown_signal()).await;
     tracing::info!("stopped");
     Ok(())

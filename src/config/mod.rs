@@ -12,6 +12,7 @@ mod raw;
 mod summary;
 mod types;
 mod validate;
+pub mod watch;
 
 #[cfg(test)]
 mod tests;

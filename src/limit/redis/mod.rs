@@ -11,9 +11,11 @@
 //!   refunded (`refund.lua`). This reserve-then-refund never over-admits: units are taken
 //!   before the request is admitted and only given back after it was rejected. The cost is
 //!   that for the round trip between the two calls another request may see those units as
-//!   taken and be rejected although, in the end, nothing consumed them. A refund that fails
-//!   (Redis gone mid-request) leaves the units taken until the key expires, which only errs
-//!   towards limiting.
+//!   taken and be rejected although, in the end, nothing consumed them. Refunds never leave a
+//!   limit laxer than if the request had not come: gcra keeps back the part of the emission
+//!   that elapsed between commit and refund (an RTT's worth, usually a fraction of a unit),
+//!   the others are exact. A refund that fails (Redis gone mid-request) leaves the units
+//!   taken until the key expires, which again only errs towards limiting.
 //! - **Time** is the Redis server's (`TIME` inside the script); on a cluster, each slot's
 //!   node's clock.
 //! - **Memory**: every written key expires once its state is back to full.

@@ -186,14 +186,17 @@ ALG[1] = {
     local ahead = math.max(s.tat, now) - now
     return fdiv(s.tau - math.min(ahead, s.tau), s.t), ahead
   end,
-  -- TAT arithmetic is additive, so taking the request's emission back is exact unless the
-  -- bucket drained completely between commit and refund (then it returns at most `cost`).
-  refund = function(l, _, now, floor_ms)
+  -- Without this request, a commit made between `at` and now would have started from its own
+  -- instant rather than from this request's TAT: up to `now - at` of the emission is
+  -- therefore not given back, so a refund never leaves the bucket laxer than if the request
+  -- had not come (exact when refunded at `at`; nothing once the request has drained).
+  refund = function(l, at, now, floor_ms)
     local s = ALG[1].load(l)
-    if s.tat == 0 then
+    local back = s.t * l.cost - math.max(0, now - at)
+    if s.tat == 0 or back <= 0 then
       return 0
     end
-    s.new_tat = s.tat - s.t * l.cost
+    s.new_tat = s.tat - back
     ALG[1].commit(l, s, now, floor_ms)
     return 1
   end,
@@ -485,12 +488,13 @@ ALG[4] = {
     ALG[4].live(l, s, now)
     return math.max(0, l.count - s.used), log_reset_after(l, s, now)
   end,
-  -- Removes one entry of this cost recorded at or after `at`: the request's own, or one
-  -- indistinguishable from it (a later one only makes the log stricter).
+  -- Removes one entry of this cost recorded at `at`: the request's own, or one
+  -- indistinguishable from it. If the clock stepped back at the commit the entry sits later
+  -- and is not found: the units stay taken, which errs towards limiting.
   refund = function(l, at, now, floor_ms)
     local offset = 0
     while true do
-      local page = redis.call('ZRANGEBYSCORE', l.keys[1], fmt(at), '+inf', 'LIMIT', offset, 128)
+      local page = redis.call('ZRANGEBYSCORE', l.keys[1], fmt(at), fmt(at), 'LIMIT', offset, 128)
       if #page == 0 then
         return 0
       end

@@ -1,0 +1,176 @@
+//! The binary under real signals: SIGHUP reloads; SIGTERM / SIGINT stop accepting, let
+//! in-flight requests finish, and exit 0.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::upstream::Upstream;
+use support::{TempDir, client};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Proc {
+    child: Child,
+    proxy: String,
+    admin: String,
+    _dir: TempDir,
+    path: std::path::PathBuf,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+fn routes(upstream: &str, rate: &str, proxy: u16, admin: u16) -> String {
+    format!(
+        "server:
+  listen: 127.0.0.1:{proxy}
+  admin: 127.0.0.1:{admin}
+  grace_period: 5s
+routes:
+  - name: api
+    upstream: {upstream}
+    limits:
+      - name: per-ip
+        rate: {rate}
+"
+    )
+}
+
+async fn start(upstream: &str, rate: &str) -> Proc {
+    let dir = TempDir::new();
+    let path = dir.path.join("routes.yaml");
+    let (p, a) = (free_port(), free_port());
+    std::fs::write(&path, routes(upstream, rate, p, a)).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["run", "--config", path.to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let proc = Proc {
+        child,
+        proxy: format!("http://127.0.0.1:{p}"),
+        admin: format!("http://127.0.0.1:{a}"),
+        _dir: dir,
+        path,
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(r) = client().get(format!("{}/healthz", proc.admin)).send().await
+            && r.status() == 200
+        {
+            return proc;
+        }
+        assert!(Instant::now() < deadline, "tollgate did not come up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_file() {
+    let up = Upstream::start().await;
+    let p = start(&up.url(), "1/1h").await;
+    let c = client();
+    assert_eq!(
+        c.get(format!("{}/", p.proxy))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{}/", p.proxy))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
+    let text = std::fs::read_to_string(&p.path)
+        .unwrap()
+        .replace("1/1h", "1/1s");
+    // Written in place without a rename: the watcher may see it too; either way it reloads.
+    std::fs::write(&p.path, text).unwrap();
+    signal(&p.child, "HUP");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let cfg: serde_json::Value = c
+            .get(format!("{}/admin/config", p.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if cfg["routes"][0]["limits"][0]["rate"]["period"] == "1s" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not reloaded: {cfg}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn drains_on(sig: &str) {
+    let up = Upstream::start().await;
+    let mut p = start(&up.url(), "1000/1s").await;
+    let c = client();
+    let slow = tokio::spawn({
+        let url = format!("{}/slow?ms=700", p.proxy);
+        let c = c.clone();
+        async move { c.get(url).send().await.map(|r| r.status().as_u16()) }
+    });
+    // Let the slow request reach the upstream, then ask the gateway to stop.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while up.hits() == 0 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    signal(&p.child, sig);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Not accepting any more.
+    let fresh = reqwest::Client::builder().no_proxy().build().unwrap();
+    assert!(fresh.get(format!("{}/", p.proxy)).send().await.is_err());
+    // The in-flight request still completes.
+    assert_eq!(slow.await.unwrap().unwrap(), 200);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn sigterm_finishes_in_flight_requests_and_exits_0() {
+    drains_on("TERM").await;
+}
+
+#[tokio::test]
+async fn sigint_finishes_in_flight_requests_and_exits_0() {
+    drains_on("INT").await;
+}
