@@ -25,6 +25,9 @@
 #   PROXY_CPU=0 LOAD_CPU=1   cores for the proxy under test / for wrk + upstream
 #   TOLLGATE_BIN=... use this binary instead of target/release/tollgate (no build)
 #   KEEP=1           keep the temp dir (configs, logs, raw wrk output)
+#   WAIT_QUIET=20    before each run, wait up to this many seconds for both
+#                    cores to be idle (< QUIET_BUSY=15 % busy): on a shared box
+#                    a compiler on core 0 skews the comparison (0: don't wait)
 #   BUILD_TIMEOUT=1800  seconds allowed for `cargo build --release`
 #
 # Exit status: 0 every goal PASS; 1 a goal FAILed (the measurement itself is
@@ -61,7 +64,9 @@ PROXY_CPU="${PROXY_CPU:-0}"
 LOAD_CPU="${LOAD_CPU:-1}"
 BUILD_TIMEOUT="${BUILD_TIMEOUT:-1800}"
 KEEP="${KEEP:-0}"
-for v in DURATION ROUNDS CONNECTIONS WARMUP PROXY_CPU LOAD_CPU BUILD_TIMEOUT; do
+WAIT_QUIET="${WAIT_QUIET:-20}"
+QUIET_BUSY="${QUIET_BUSY:-15}"
+for v in DURATION ROUNDS CONNECTIONS WARMUP PROXY_CPU LOAD_CPU BUILD_TIMEOUT WAIT_QUIET QUIET_BUSY; do
     [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "load.sh: $v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
 done
 (( DURATION > 0 && ROUNDS > 0 && CONNECTIONS > 0 )) || { echo "load.sh: DURATION, ROUNDS, CONNECTIONS must be > 0" >&2; exit 2; }
@@ -286,6 +291,63 @@ core_sample() {
         END { print r[a], r[b] }' /proc/stat
 }
 
+# foreign_snapshot: "pid starttime ticks" of every user-space process that this
+# script did not start (not a descendant of $$): the competition.
+foreign_snapshot() {
+    python3 - "$$" <<'EOF'
+import os, sys
+root = int(sys.argv[1])
+rows = {}
+for d in os.listdir("/proc"):
+    if not d.isdigit():
+        continue
+    try:
+        with open(f"/proc/{d}/stat") as fh:
+            s = fh.read()
+    except OSError:
+        continue
+    f = s[s.rfind(")") + 2:].split()
+    rows[int(d)] = (int(f[1]), f[19], int(f[11]) + int(f[12]))  # ppid, starttime, utime+stime
+kids = {}
+for pid, (ppid, _, _) in rows.items():
+    kids.setdefault(ppid, []).append(pid)
+ours, todo = set(), [root]
+while todo:
+    p = todo.pop()
+    if p not in ours:
+        ours.add(p)
+        todo.extend(kids.get(p, []))
+for pid, (ppid, start, ticks) in rows.items():
+    if pid in ours or pid == 2 or ppid == 2:   # ours, or a kernel thread
+        continue
+    print(pid, start, ticks)
+EOF
+}
+
+# foreign_ticks BEFORE AFTER: CPU ticks other processes used in between (a lower
+# bound: a process that exited in between is not counted).
+foreign_ticks() {
+    awk 'NR == FNR { t[$1 " " $2] = $3; next } { n += $3 - (($1 " " $2) in t ? t[$1 " " $2] : 0) } END { print n + 0 }' "$1" "$2"
+}
+
+# wait_quiet: wait (WAIT_QUIET s at most) until both cores are idle.
+wait_quiet() {
+    (( WAIT_QUIET > 0 )) || return 0
+    local deadline=$((SECONDS + WAIT_QUIET)) a b busy
+    while :; do
+        a="$(core_sample)"; sleep 0.5; b="$(core_sample)"
+        busy="$(awk -v c0="$a" -v c1="$b" 'BEGIN { split(c0, x, " "); split(c1, y, " ")
+            d0 = y[2] - x[2]; d1 = y[4] - x[4]
+            b0 = d0 ? (y[1] - x[1]) / d0 * 100 : 0; b1 = d1 ? (y[3] - x[3]) / d1 * 100 : 0
+            printf "%.0f", (b0 > b1 ? b0 : b1) }')"
+        (( busy < QUIET_BUSY )) && return 0
+        if (( SECONDS >= deadline )); then
+            log "warning: a core is still ${busy}% busy with other work after ${WAIT_QUIET}s; measuring anyway"
+            return 0
+        fi
+    done
+}
+
 # Server processes whose CPU is reported for a target (nginx: master + workers).
 server_pids() {
     local pid
@@ -312,23 +374,27 @@ target_tg-admit()  { target_alive tg-admit; target_alive direct; }
 target_tg-reject() { target_alive tg-reject; }
 
 # run_wrk TARGET SECONDS OUTFILE: one wrk run; writes wrk's output to OUTFILE
-# and prints "srv% core0% core1%" for the run.
+# and prints "srv% core0% core1% other%" for the run.
 run_wrk() {
     local target="$1" secs="$2" out="$3"
     "target_$target"
+    wait_quiet
     local pids; pids="$(server_pids "$target")"
-    local t0 c0 s0 s1 c1 t1 ms0 ms1
+    local t0 c0 c1 t1 ms0 ms1 fticks
+    foreign_snapshot > "$out.foreign0"
     t0="$(cpu_ticks $pids)"; c0="$(core_sample)"; ms0="$(date +%s%N)"
     timeout --foreground $((secs + 30)) taskset -c "$LOAD_CPU" \
         wrk -t1 -c"$CONNECTIONS" -d"${secs}s" --latency "$(target_url "$target")" > "$out" 2>&1 \
         || die "wrk against ${LABEL[$target]} failed: $(tail -3 "$out")"
     ms1="$(date +%s%N)"; c1="$(core_sample)"; t1="$(cpu_ticks $pids)"
-    awk -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" -v ns=$((ms1 - ms0)) -v c0="$c0" -v c1="$c1" 'BEGIN {
+    foreign_snapshot > "$out.foreign1"
+    fticks="$(foreign_ticks "$out.foreign0" "$out.foreign1")"
+    awk -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" -v ns=$((ms1 - ms0)) -v c0="$c0" -v c1="$c1" -v ft="$fticks" 'BEGIN {
         split(c0, a, " "); split(c1, b, " ")
         srv = (t1 - t0) / hz / (ns / 1e9) * 100
         k0 = (b[2] - a[2]) ? (b[1] - a[1]) / (b[2] - a[2]) * 100 : 0
         k1 = (b[4] - a[4]) ? (b[3] - a[3]) / (b[4] - a[4]) * 100 : 0
-        printf "%.0f %.0f %.0f\n", srv, k0, k1 }'
+        printf "%.0f %.0f %.0f %.0f\n", srv, k0, k1, ft / hz / (ns / 1e9) * 100 }'
 }
 
 # parse_wrk FILE: "rps p50_ms p99_ms requests non2xx socket_errors"
@@ -419,12 +485,12 @@ main() {
         | awk '/^tollgate_requests_total\{/ && /status="429"/ { n += $NF } END { printf "%d\n", n + 0 }')"
 
     # ------------------------------------------------------------ report
-    # results.tsv: round target rps p50 p99 requests non2xx sockerr srv% core0% core1%
+    # results.tsv: round target rps p50 p99 requests non2xx sockerr srv% core0% core1% other%
     col() { awk -F'\t' -v t="$1" -v c="$2" '$2 == t { print $c }' "$results" | median; }
-    declare -A RPS P50 P99 REQS NON2XX ERRS SRV K0 K1 ALL
+    declare -A RPS P50 P99 REQS NON2XX ERRS SRV K0 K1 OTHER ALL
     for t in "${TARGETS[@]}"; do
         RPS[$t]="$(col "$t" 3)"; P50[$t]="$(col "$t" 4)"; P99[$t]="$(col "$t" 5)"
-        SRV[$t]="$(col "$t" 9)"; K0[$t]="$(col "$t" 10)"; K1[$t]="$(col "$t" 11)"
+        SRV[$t]="$(col "$t" 9)"; K0[$t]="$(col "$t" 10)"; K1[$t]="$(col "$t" 11)"; OTHER[$t]="$(col "$t" 12)"
         REQS[$t]="$(awk -F'\t' -v t="$t" '$2 == t { n += $6 } END { print n + 0 }' "$results")"
         NON2XX[$t]="$(awk -F'\t' -v t="$t" '$2 == t { n += $7 } END { print n + 0 }' "$results")"
         ERRS[$t]="$(awk -F'\t' -v t="$t" '$2 == t { n += $8 } END { print n + 0 }' "$results")"
@@ -447,12 +513,13 @@ main() {
     echo "versions  : $("$TOLLGATE_BIN" --version), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(wrk -v 2>&1 | awk 'NR == 1 { print $1, $2 }')"
     echo "core $PROXY_CPU    : proxy under test alone: nginx (worker_processes 1) | tollgate (TOKIO_WORKER_THREADS=1, $tg_threads threads, RUST_LOG=warn)"
     echo "core $LOAD_CPU    : taskset -c $LOAD_CPU wrk -t1 -c$CONNECTIONS -d${DURATION}s --latency URL, and the upstream (nginx, 1 worker, return 200 \"ok\\n\")"
-    echo "figures   : median of $ROUNDS interleaved round(s); srv% = CPU of the server process(es) of the target, core% = whole core busy"
+    echo "figures   : median of $ROUNDS interleaved round(s); srv% = CPU of the target's server (% of one core),"
+    echo "            core% = that core busy, other% = CPU taken by processes this script did not start (should be ~0)"
     echo
-    printf '%-16s %10s %9s %9s %5s %6s %6s  %s\n' target "req/s" "p50 ms" "p99 ms" "srv%" "core$PROXY_CPU%" "core$LOAD_CPU%" "req/s per round"
+    printf '%-16s %9s %8s %8s %5s %6s %6s %6s  %s\n' target "req/s" "p50 ms" "p99 ms" "srv%" "core$PROXY_CPU%" "core$LOAD_CPU%" "other%" "req/s per round"
     for t in "${TARGETS[@]}"; do
-        printf '%-16s %10.0f %9.3f %9.3f %5.0f %6.0f %6.0f  %s\n' "${LABEL[$t]}" "${RPS[$t]}" "${P50[$t]}" "${P99[$t]}" \
-            "${SRV[$t]}" "${K0[$t]}" "${K1[$t]}" "${ALL[$t]}"
+        printf '%-16s %9.0f %8.3f %8.3f %5.0f %6.0f %6.0f %6.0f  %s\n' "${LABEL[$t]}" "${RPS[$t]}" "${P50[$t]}" "${P99[$t]}" \
+            "${SRV[$t]}" "${K0[$t]}" "${K1[$t]}" "${OTHER[$t]}" "${ALL[$t]}"
     done
     echo
 
@@ -485,6 +552,20 @@ main() {
         "tollgate reject: the non-2xx answers are 429s (metrics 429 count $tg429 >= wrk non-2xx ${NON2XX[tg-reject]})"
     local errs=0; for t in "${TARGETS[@]}"; do errs=$((errs + ERRS[$t])); done
     check "$([[ $errs == 0 ]] && echo 1)" "no wrk socket errors (connect/read/write/timeout: $errs)"
+    # A proxy target whose server had CPU to spare while wrk's core was full is
+    # measuring wrk, not the server.
+    for t in nginx tg-proxy tg-admit tg-reject; do
+        if awk -v s="${SRV[$t]}" -v k="${K1[$t]}" 'BEGIN { exit !(k >= 90 && s < 90) }'; then
+            printf 'check WARN : %s: server at %s%% CPU while core %s (wrk%s) was %s%% busy: the load generator may cap this figure\n' \
+                "${LABEL[$t]}" "${SRV[$t]}" "$LOAD_CPU" "$([[ $t == tg-reject ]] && echo " alone" || echo " + upstream")" "${K1[$t]}"
+        fi
+    done
+    local worst; worst="$(awk -F'\t' '$12 > m { m = $12 } END { print m + 0 }' "$results")"
+    if (( worst <= 10 )); then
+        printf 'check ok   : quiet machine: other processes took at most %s%% CPU during any run\n' "$worst"
+    else
+        printf 'check WARN : other processes took up to %s%% CPU during a run (see other%%): the figures are noisy\n' "$worst"
+    fi
     echo
 
     if (( unsound )); then log "a sanity check failed: the figures above are not a valid comparison"; exit 2; fi

@@ -14,13 +14,17 @@ use arc_swap::ArcSwap;
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 
-use crate::config::{self, Config, ConfigError};
+use crate::config::{self, Config, ConfigError, OnError, Scope};
 use crate::limit::Limit;
 use crate::limit::algorithm::Snapshot;
 use crate::limit::clock::{SharedClock, TokioClock};
+use crate::limit::redis::GlobalLimit;
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, forward};
 use crate::runtime::Runtime;
+
+/// How long start-up waits for a first answer from Redis before serving anyway.
+const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
 
 /// How often idle keys are swept out of the local stores.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
@@ -84,20 +88,59 @@ impl Shared {
         }
     }
 
-    /// Ready when a config is loaded (always, once running) and the limiter can decide.
+    /// Ready when a config is loaded and, with `redis` set, Redis answers or `on_error: allow`
+    /// lets the gateway decide without it.
     pub async fn readiness(&self) -> (bool, serde_json::Value) {
-        let rt = self.proxy.runtime.load();
+        let rt = self.proxy.runtime.load_full();
+        let up = match &rt.redis {
+            // One PING within the command timeout: the probe answers what is true now, not
+            // what the breaker concluded from the last requests.
+            Some(r) => r.ping().await.is_ok(),
+            None => false,
+        };
+        let (ready, redis) = match (&rt.config.redis, up) {
+            (None, _) => (true, "not configured"),
+            (Some(_), true) => (true, "up"),
+            (Some(_), false) => (rt.on_error == OnError::Allow, "down"),
+        };
         (
-            true,
-            serde_json::json!({"ready": true, "routes": rt.routes.len(), "redis": "not configured"}),
+            ready,
+            serde_json::json!({"ready": ready, "routes": rt.routes.len(), "redis": redis, "on_error": rt.on_error}),
         )
     }
 
-    /// One key's state, from the store that holds it.
-    pub async fn peek(&self, limit: &Limit, key: &[u8]) -> Result<Snapshot, String> {
-        Ok(limit
-            .store
-            .peek(&limit.algorithm, key, self.proxy.clock.now()))
+    /// One key's state, from the store that holds it: Redis for global limits (the local
+    /// fallback store when Redis cannot answer), the local store otherwise.
+    pub async fn peek(
+        &self,
+        limit: &Limit,
+        key: &[u8],
+    ) -> Result<(Snapshot, &'static str), String> {
+        let now = self.proxy.clock.now();
+        let rt = self.proxy.runtime.load_full();
+        if limit.scope == Scope::Global
+            && let Some(redis) = &rt.redis
+        {
+            let redis_key = limit.redis_key(key);
+            let g = GlobalLimit {
+                algorithm: &limit.algorithm,
+                key: &redis_key,
+                cost: limit.cost,
+                max_delay: limit.max_delay,
+            };
+            match redis.peek(&g).await {
+                Ok(s) => return Ok((s, "redis")),
+                Err(e) => {
+                    tracing::warn!(error = %e, "redis peek failed; showing the fallback store")
+                }
+            }
+        }
+        let store = if limit.scope == Scope::Global {
+            "local_fallback"
+        } else {
+            "local"
+        };
+        Ok((limit.store.peek(&limit.algorithm, key, now), store))
     }
 }
 
@@ -145,6 +188,14 @@ impl App {
             })?;
         let metrics = Arc::new(Metrics::new());
         let runtime = Runtime::build(config, &metrics, None);
+        if let Some(redis) = &runtime.redis {
+            // Give the pool a moment to connect so the first requests do not meet a cold
+            // connection; a Redis that is down only delays start-up by this much.
+            let deadline = tokio::time::Instant::now() + REDIS_STARTUP_WAIT;
+            while redis.ping().await.is_err() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         let proxy = Arc::new(Proxy {
             runtime: ArcSwap::from_pointee(runtime),
             metrics,
@@ -238,7 +289,7 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
         }
         let rt = shared.proxy.runtime.load_full();
         let now = shared.proxy.clock.now();
-        let kept: usize = rt.stores().map(|s| s.sweep(now)).sum();
+        let kept = rt.sweep(now);
         shared.proxy.metrics.set_local_keys(kept);
     }
 }

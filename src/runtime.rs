@@ -14,9 +14,11 @@ use http::Uri;
 use http::uri::{Authority, Scheme};
 use ipnet::IpNet;
 
-use crate::config::{Config, LimitConfig};
+use crate::config::{Config, LimitConfig, OnError, RedisConfig, RedisTarget};
 use crate::limit::local::LocalStore;
-use crate::limit::{Limit, LimitSet};
+use crate::limit::local::deny::DenyCache;
+use crate::limit::redis::{self, RedisSettings, RedisStore};
+use crate::limit::{Limit, LimitSet, TierMetrics};
 use crate::metrics::{Metrics, RouteMetrics, UNMATCHED_ROUTE};
 use crate::routing::RouteTable;
 
@@ -84,6 +86,9 @@ impl Route {
 #[derive(Debug)]
 pub struct Runtime {
     pub config: Arc<Config>,
+    /// The Redis tier, when `redis` is configured; kept across reloads with the same settings.
+    pub redis: Option<RedisStore>,
+    pub on_error: OnError,
     pub table: RouteTable,
     pub routes: Vec<Route>,
     pub unmatched: RouteMetrics,
@@ -91,7 +96,7 @@ pub struct Runtime {
 }
 
 /// What survives a reload, keyed by route and limit name.
-type Carried = HashMap<(String, String), (LimitConfig, Arc<LocalStore>)>;
+type Carried = HashMap<(String, String), (LimitConfig, Arc<LocalStore>, Arc<DenyCache>)>;
 
 impl Runtime {
     pub fn build(config: Config, metrics: &Metrics, previous: Option<&Runtime>) -> Self {
@@ -103,12 +108,31 @@ impl Runtime {
                 for l in &r.limits.limits {
                     carried.insert(
                         (r.name.to_string(), l.name.to_string()),
-                        (l.config.clone(), l.store.clone()),
+                        (l.config.clone(), l.store.clone(), l.tier.clone()),
                     );
                 }
             }
         }
-        let local_duration = metrics.limiter_duration("local");
+        let redis = config.redis.as_ref().and_then(|rc| {
+            let settings = settings(rc);
+            match previous.and_then(|p| p.redis.as_ref().map(|r| (p, r))) {
+                Some((p, r))
+                    if p.config.redis.as_ref().map(settings_of) == Some(settings.clone()) =>
+                {
+                    Some(r.clone())
+                }
+                _ => match RedisStore::connect(settings) {
+                    Ok(store) => Some(store),
+                    Err(e) => {
+                        // Served as an outage: on_error decides every global limit.
+                        tracing::error!(error = %e, "cannot set up the redis client");
+                        None
+                    }
+                },
+            }
+        });
+        let cluster = redis.as_ref().is_some_and(|r| r.is_cluster());
+        let tiers = TierMetrics::new(metrics);
         let routes = config
             .routes
             .iter()
@@ -117,11 +141,13 @@ impl Runtime {
                     .limits
                     .iter()
                     .map(|lc| {
-                        let store = match carried.remove(&(rc.name.clone(), lc.name.clone())) {
-                            Some((old, store)) if same_state_shape(&old, lc) => store,
-                            _ => Arc::new(LocalStore::new()),
+                        let (store, tier) = match carried
+                            .remove(&(rc.name.clone(), lc.name.clone()))
+                        {
+                            Some((old, store, tier)) if same_state_shape(&old, lc) => (store, tier),
+                            _ => Default::default(),
                         };
-                        Limit::new(lc, store, metrics.limit(&rc.name, &lc.name))
+                        Limit::new(&rc.name, lc, store, tier, metrics.limit(&rc.name, &lc.name))
                     })
                     .collect();
                 Route {
@@ -131,7 +157,7 @@ impl Runtime {
                     timeout: rc.timeout,
                     preserve_host: rc.preserve_host,
                     headers: rc.headers,
-                    limits: LimitSet::new(limits, local_duration.clone()),
+                    limits: LimitSet::new(limits, tiers.clone(), cluster),
                     metrics: metrics.route(&rc.name),
                     waiters: waiters.remove(&rc.name).unwrap_or_default(),
                     max_waiters: config.server.max_waiters,
@@ -139,6 +165,8 @@ impl Runtime {
             })
             .collect();
         Self {
+            redis,
+            on_error: config.redis.as_ref().map_or(OnError::Allow, |r| r.on_error),
             table: RouteTable::new(config.routes.iter().map(|r| &r.matcher)),
             routes,
             unmatched: metrics.route(UNMATCHED_ROUTE),
@@ -147,11 +175,13 @@ impl Runtime {
         }
     }
 
-    /// Every local store, for the sweeper.
-    pub fn stores(&self) -> impl Iterator<Item = &Arc<LocalStore>> {
+    /// Drops idle keys from every local store and tier cache; returns the keys kept.
+    pub fn sweep(&self, now: crate::limit::algorithm::Micros) -> usize {
         self.routes
             .iter()
-            .flat_map(|r| r.limits.limits.iter().map(|l| &l.store))
+            .flat_map(|r| r.limits.limits.iter())
+            .map(|l| l.store.sweep(now) + l.tier.sweep(now))
+            .sum()
     }
 }
 
@@ -164,4 +194,19 @@ fn same_state_shape(old: &LimitConfig, new: &LimitConfig) -> bool {
         && old.burst == new.burst
         && old.key == new.key
         && old.scope == new.scope
+}
+
+fn settings_of(rc: &RedisConfig) -> RedisSettings {
+    settings(rc)
+}
+
+fn settings(rc: &RedisConfig) -> RedisSettings {
+    RedisSettings {
+        target: match &rc.target {
+            RedisTarget::Single(u) => redis::RedisTarget::Single(u.clone()),
+            RedisTarget::Cluster(us) => redis::RedisTarget::Cluster(us.clone()),
+        },
+        timeout: rc.timeout,
+        pool_size: rc.pool_size,
+    }
 }

@@ -120,7 +120,8 @@ async fn limit_state(
             .into_response();
     };
     match shared.peek(l, key.as_bytes()).await {
-        Ok(s) => Json(json!({
+        Ok((s, store)) => Json(json!({
+            "store": store,
             "route": route,
             "limit": limit,
             "key": key,

@@ -2,7 +2,7 @@
 //!
 //! A key is the limit's parts (`ip`, `header:NAME`, `query:NAME`, `path`, `method`, `route`,
 //! `literal:TEXT`) joined with `|`. Values are escaped (`%` → `%25`, `|` → `%7C`, braces →
-//! `%7B`/`%7D`) so the join is injective — a client cannot craft one part that spells two — and
+//! `%7B`/`%7D`, anything outside printable ASCII → `%XX`) so the join is injective — a client cannot craft one part that spells two — and
 //! so no value can break a Redis Cluster `{hash tag}`. A value longer than
 //! [`MAX_PART_LEN`] bytes is replaced by `~` and a SHA-256 prefix, so a client cannot make the
 //! gateway store kilobytes per key.
@@ -153,13 +153,17 @@ fn push_escaped(out: &mut Vec<u8>, value: &[u8]) {
     }
     for &b in value {
         match b {
-            b'%' => out.extend_from_slice(b"%25"),
-            b'|' => out.extend_from_slice(b"%7C"),
-            b'{' => out.extend_from_slice(b"%7B"),
-            b'}' => out.extend_from_slice(b"%7D"),
-            _ => out.push(b),
+            b'%' | b'|' | b'{' | b'}' => push_pct(out, b),
+            // Keys stay printable ASCII (Redis keys, logs, the admin API's `?key=`).
+            0x21..=0x7e => out.push(b),
+            _ => push_pct(out, b),
         }
     }
+}
+
+fn push_pct(out: &mut Vec<u8>, b: u8) {
+    out.push(b'%');
+    out.extend_from_slice(&hex_byte(b).map(|c| c.to_ascii_uppercase()));
 }
 
 fn hex_byte(b: u8) -> [u8; 2] {

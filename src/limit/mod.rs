@@ -1,14 +1,26 @@
 //! Deciding a request's limits: all admit, or none consumes.
 //!
 //! [`LimitSet::evaluate`] builds each limit's key, skips limits whose key part is absent
-//! (`on_missing: skip`), decides the local ones in process ([`local::decide`]) and reports the
-//! most restrictive result for the `RateLimit` fields. `shadow` limits are decided and counted
-//! but never reject and never show in headers; policy after the decision lives in one place
-//! ([`LimitSet::evaluate`]'s tail), where it is counted.
+//! (`on_missing: skip`), and decides in tiers, cheapest first:
+//!
+//! 1. the in-process tier in front of Redis ([`local::deny`]) rejects a global limit's key that
+//!    Redis is known to reject right now, without a round trip;
+//! 2. local limits are checked (not yet charged) in the local store: a local rejection needs
+//!    no round trip either;
+//! 3. the global limits go to Redis in one script call, which charges them only if all admit;
+//! 4. then the local limits are charged. Should a concurrent request have used the local units
+//!    in between (the only window where local and global are not one atomic step), this request
+//!    is rejected and the global units it took stay taken: the race errs towards limiting.
+//!
+//! When Redis cannot answer, `redis.on_error` decides: `allow` decides the global limits with
+//! their local stores (same quota, per instance) and counts each such decision; `deny` answers
+//! 503. `shadow` limits are decided and counted but never reject and never show in headers.
+//! Policy after the decision lives in one place ([`LimitSet::conclude`]), where it is counted.
 
 pub mod algorithm;
 pub mod clock;
 pub mod local;
+pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,13 +28,17 @@ use std::time::Duration;
 use http::HeaderValue;
 use smallvec::SmallVec;
 
-use crate::config::{AlgorithmKind, LimitConfig, OnLimit, Scope};
+use prometheus_client::metrics::counter::Counter;
+
+use crate::config::{AlgorithmKind, LimitConfig, OnError, OnLimit, Scope};
 use crate::key::{KeyOutcome, KeySpec, RequestParts};
-use crate::metrics::{Histogram, LimitMetrics};
+use crate::metrics::{Histogram, LimitMetrics, Metrics};
 use algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, Rejection, SlidingLog, SlidingWindow, Snapshot,
 };
-use local::{LocalCheck, LocalStore};
+use local::deny::DenyCache;
+use local::{LocalCheck, LocalStore, LocalVerdict};
+use redis::{GlobalLimit, LimitVerdict, RedisStore};
 
 /// One limit of a route, compiled from its config.
 #[derive(Debug)]
@@ -36,15 +52,27 @@ pub struct Limit {
     /// 0 unless `on_limit: delay`.
     pub max_delay: Micros,
     pub shadow: bool,
-    /// Kept across reloads when the limit's definition is unchanged.
+    /// Kept across reloads when the limit's definition is unchanged. For a global limit it
+    /// is the fallback store used while Redis cannot answer.
     pub store: Arc<LocalStore>,
+    /// Global limits: what Redis is known to reject (the in-process tier).
+    pub tier: Arc<DenyCache>,
+    /// Global limits: `tg:{ROUTE/LIMIT/` — the key value and `}` complete a Redis key whose
+    /// hash tag holds all of it, so one limit's keys share a Cluster slot.
+    pub redis_prefix: String,
     pub metrics: LimitMetrics,
     /// The `RateLimit-Policy` item, formatted once: `"name";q=100;w=60`.
     pub policy: HeaderValue,
 }
 
 impl Limit {
-    pub fn new(config: &LimitConfig, store: Arc<LocalStore>, metrics: LimitMetrics) -> Self {
+    pub fn new(
+        route: &str,
+        config: &LimitConfig,
+        store: Arc<LocalStore>,
+        tier: Arc<DenyCache>,
+        metrics: LimitMetrics,
+    ) -> Self {
         let algorithm = algorithm_for(config);
         let window = config.rate.period.as_secs().max(1);
         let policy = HeaderValue::from_str(&format!(
@@ -68,9 +96,24 @@ impl Limit {
             },
             shadow: config.shadow,
             store,
+            tier,
+            redis_prefix: format!("tg:{{{route}/{}/", config.name),
             metrics,
             policy,
         }
+    }
+
+    pub fn redis_key(&self, key: &[u8]) -> String {
+        let mut k = String::with_capacity(self.redis_prefix.len() + key.len() + 1);
+        k.push_str(&self.redis_prefix);
+        // Keys are ASCII by construction (`key` escapes everything else).
+        k.push_str(std::str::from_utf8(key).unwrap_or("~invalid"));
+        k.push('}');
+        k
+    }
+
+    fn is_global(&self) -> bool {
+        self.scope == Scope::Global
     }
 }
 
@@ -116,23 +159,74 @@ pub enum Verdict {
     Reject { limit: usize, rejection: Rejection },
     /// `on_missing: reject` and the named key part is absent.
     MissingKey { limit: usize, part: String },
+    /// Redis could not answer and `redis.on_error: deny`: 503.
+    Unavailable { limit: usize },
 }
 
-#[derive(Debug, Default)]
+/// What a decision needs besides the request.
+pub struct Context<'a> {
+    /// Local monotonic time (global limits use Redis's clock inside the script).
+    pub now: Micros,
+    pub redis: Option<&'a RedisStore>,
+    pub on_error: OnError,
+    /// `false` when the route's waiter cap is full: a request that would wait is rejected.
+    pub allow_delay: bool,
+    pub metrics: &'a Metrics,
+}
+
+/// Counters and timers of the tiers, resolved once per config build.
+#[derive(Debug, Clone)]
+pub struct TierMetrics {
+    pub local: Counter,
+    pub in_process: Counter,
+    pub redis: Counter,
+    pub fallback: Counter,
+    pub local_duration: Histogram,
+    pub in_process_duration: Histogram,
+    pub global_duration: Histogram,
+}
+
+impl TierMetrics {
+    pub fn new(m: &Metrics) -> Self {
+        Self {
+            local: m.tier("local", "local"),
+            in_process: m.tier("global", "in_process"),
+            redis: m.tier("global", "redis"),
+            fallback: m.tier("global", "fallback"),
+            local_duration: m.limiter_duration("local"),
+            in_process_duration: m.limiter_duration("in_process"),
+            global_duration: m.limiter_duration("global"),
+        }
+    }
+}
+
+#[derive(Debug)]
 pub struct LimitSet {
     pub limits: Vec<Limit>,
     /// Whether any limit can reserve (so the proxy knows to count waiters).
     pub can_delay: bool,
-    pub local_duration: Option<Histogram>,
+    /// The in-process tier answers for this route's global limits. Off on a Redis Cluster
+    /// for routes with several enforced global limits: their keys sit on different slots and
+    /// are reserved then refunded, so Redis's answers can reflect units that are given back a
+    /// moment later, and a tier remembering them until `retry_after` would be stricter than
+    /// Redis by more than a request's cost. No other route's keys are ever refunded.
+    tier_enabled: bool,
+    tiers: TierMetrics,
 }
 
+/// One applicable limit of this request: its index and its key's span in the key buffer.
+type Span = (usize, usize, usize);
+
 impl LimitSet {
-    pub fn new(limits: Vec<Limit>, local_duration: Histogram) -> Self {
+    /// `cluster`: global limits live on a Redis Cluster.
+    pub fn new(limits: Vec<Limit>, tiers: TierMetrics, cluster: bool) -> Self {
         let can_delay = limits.iter().any(|l| l.max_delay > 0);
+        let enforced_global = limits.iter().filter(|l| l.is_global() && !l.shadow).count();
         Self {
+            tier_enabled: !(cluster && enforced_global > 1),
             limits,
             can_delay,
-            local_duration: Some(local_duration),
+            tiers,
         }
     }
 
@@ -140,9 +234,8 @@ impl LimitSet {
         self.limits.is_empty()
     }
 
-    /// Decides every limit for this request. `allow_delay: false` turns reservations off (the
-    /// route's waiter cap is full), so a request that would have waited is rejected instead.
-    pub fn evaluate(&self, req: &RequestParts<'_>, now: Micros, allow_delay: bool) -> Verdict {
+    /// Decides every limit for this request.
+    pub async fn evaluate(&self, req: &RequestParts<'_>, cx: &Context<'_>) -> Verdict {
         if self.limits.is_empty() {
             return Verdict::Admit {
                 delay: Duration::ZERO,
@@ -152,7 +245,7 @@ impl LimitSet {
         }
         let started = std::time::Instant::now();
         let mut keys: Vec<u8> = Vec::with_capacity(64 * self.limits.len());
-        let mut spans: SmallVec<[(usize, usize, usize); 4]> = SmallVec::new();
+        let mut spans: SmallVec<[Span; 4]> = SmallVec::new();
         for (i, limit) in self.limits.iter().enumerate() {
             let start = keys.len();
             match limit.key.build(req, &mut keys) {
@@ -161,8 +254,27 @@ impl LimitSet {
                 KeyOutcome::Reject(part) => return Verdict::MissingKey { limit: i, part },
             }
         }
-        let checks: SmallVec<[LocalCheck<'_>; 4]> = spans
+        if spans.iter().any(|s| self.limits[s.0].is_global()) {
+            return self.evaluate_global(&keys, &spans, cx, started).await;
+        }
+        let checks = self.local_checks(&keys, &spans, cx, |_| true);
+        let (_, verdicts) = local::decide(&checks, cx.now);
+        self.tiers.local.inc();
+        self.tiers.local_duration.observe(started.elapsed());
+        let results: Results = spans.iter().map(|s| s.0).zip(verdicts).collect();
+        self.conclude(&results)
+    }
+
+    fn local_checks<'k>(
+        &'k self,
+        keys: &'k [u8],
+        spans: &[Span],
+        cx: &Context<'_>,
+        pick: impl Fn(&Limit) -> bool,
+    ) -> SmallVec<[LocalCheck<'k>; 4]> {
+        spans
             .iter()
+            .filter(|s| pick(&self.limits[s.0]))
             .map(|&(i, s, e)| {
                 let l = &self.limits[i];
                 LocalCheck {
@@ -170,23 +282,173 @@ impl LimitSet {
                     algorithm: &l.algorithm,
                     key: &keys[s..e],
                     cost: l.cost,
-                    max_delay: if allow_delay { l.max_delay } else { 0 },
+                    max_delay: if cx.allow_delay { l.max_delay } else { 0 },
                     shadow: l.shadow,
                 }
             })
-            .collect();
-        let (_, verdicts) = local::decide(&checks, now);
-        if let Some(h) = &self.local_duration {
-            h.observe(started.elapsed());
+            .collect()
+    }
+
+    async fn evaluate_global(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_>,
+        started: std::time::Instant,
+    ) -> Verdict {
+        let delay_of = |l: &Limit| if cx.allow_delay { l.max_delay } else { 0 };
+        let mut results: Results = SmallVec::new();
+        // 1. The in-process tier: what Redis is known to reject right now.
+        let mut to_redis: SmallVec<[Span; 4]> = SmallVec::new();
+        for &(i, s, e) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
+            let l = &self.limits[i];
+            let known = if self.tier_enabled {
+                l.tier.check(&keys[s..e], cx.now, delay_of(l))
+            } else {
+                None
+            };
+            match known {
+                Some(r) if !l.shadow => {
+                    self.tiers.in_process.inc();
+                    self.tiers.in_process_duration.observe(started.elapsed());
+                    return self.conclude(&[(i, Err(r))]);
+                }
+                Some(r) => results.push((i, Err(r))),
+                None => to_redis.push((i, s, e)),
+            }
         }
-        let results: SmallVec<[(usize, local::LocalVerdict); 4]> =
-            spans.iter().map(|s| s.0).zip(verdicts).collect();
-        self.conclude(&results)
+        // 2. Local limits, checked but not charged.
+        let is_local = |l: &Limit| !l.is_global();
+        let local = self.local_checks(keys, spans, cx, is_local);
+        let (local_ok, local_verdicts) = local::check(&local, cx.now);
+        let local_idx = spans
+            .iter()
+            .filter(|s| is_local(&self.limits[s.0]))
+            .map(|s| s.0);
+        if !local_ok {
+            results.extend(local_idx.zip(local_verdicts));
+            self.tiers.local.inc();
+            self.tiers.local_duration.observe(started.elapsed());
+            return self.conclude(&results);
+        }
+        // 3. Redis: enforced limits in one all-or-nothing call; shadow ones in their own, so
+        //    their rejections cannot block the others' commit.
+        let redis_keys: SmallVec<[String; 4]> = to_redis
+            .iter()
+            .map(|&(i, s, e)| self.limits[i].redis_key(&keys[s..e]))
+            .collect();
+        let global = |shadow: bool| -> Vec<(usize, GlobalLimit<'_>)> {
+            to_redis
+                .iter()
+                .zip(&redis_keys)
+                .filter(|(sp, _)| self.limits[sp.0].shadow == shadow)
+                .map(|(sp, k)| {
+                    let l = &self.limits[sp.0];
+                    (
+                        sp.0,
+                        GlobalLimit {
+                            algorithm: &l.algorithm,
+                            key: k,
+                            cost: l.cost,
+                            max_delay: delay_of(l),
+                        },
+                    )
+                })
+                .collect()
+        };
+        let (enforced, shadows) = (global(false), global(true));
+        let answer = match cx.redis {
+            Some(redis) => {
+                let e: Vec<GlobalLimit<'_>> = enforced.iter().map(|g| g.1).collect();
+                let s: Vec<GlobalLimit<'_>> = shadows.iter().map(|g| g.1).collect();
+                let (a, b) = tokio::join!(redis.decide(&e, None), redis.decide(&s, None));
+                a.and_then(|a| b.map(|b| (a, b)))
+            }
+            None => Err(redis::RedisError::Unavailable),
+        };
+        self.tiers.global_duration.observe(started.elapsed());
+        let sent = cx.now;
+        match answer {
+            Ok((main, shadow)) => {
+                self.tiers.redis.inc();
+                let decided = enforced
+                    .iter()
+                    .zip(main.per_limit)
+                    .chain(shadows.iter().zip(shadow.per_limit));
+                for ((i, g), v) in decided {
+                    let l = &self.limits[*i];
+                    let (s, e) = spans
+                        .iter()
+                        .find(|s| s.0 == *i)
+                        .map(|s| (s.1, s.2))
+                        .unwrap_or((0, 0));
+                    let key = &keys[s..e];
+                    results.push((
+                        *i,
+                        match v {
+                            LimitVerdict::Admitted { snapshot, delay } => {
+                                if self.tier_enabled && (main.admitted || l.shadow) {
+                                    l.tier.admitted(
+                                        key,
+                                        sent,
+                                        &l.algorithm,
+                                        l.cost,
+                                        &snapshot,
+                                        g.max_delay,
+                                    );
+                                }
+                                Ok((snapshot, delay))
+                            }
+                            LimitVerdict::Rejected(r) => {
+                                if self.tier_enabled {
+                                    l.tier.rejected(key, sent, &r, g.max_delay);
+                                }
+                                Err(r)
+                            }
+                        },
+                    ));
+                }
+                if !main.admitted {
+                    results.extend(local_idx.zip(local_verdicts));
+                    return self.conclude(&results);
+                }
+                // 4. Charge the local limits.
+                let (_, charged) = local::decide(&local, cx.now);
+                results.extend(local_idx.zip(charged));
+                self.conclude(&results)
+            }
+            Err(e) => {
+                cx.metrics.redis_error(e.kind());
+                let first_global = to_redis.first().map_or(0, |s| s.0);
+                if cx.on_error == OnError::Deny {
+                    tracing::warn!(error = %e, "redis unavailable: on_error deny");
+                    return Verdict::Unavailable {
+                        limit: first_global,
+                    };
+                }
+                // on_error: allow — the global limits fall back to their local stores.
+                self.tiers.fallback.inc();
+                let in_fallback = |l: &Limit| {
+                    !l.is_global() || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
+                };
+                let all = self.local_checks(keys, spans, cx, in_fallback);
+                let (_, verdicts) = local::decide(&all, cx.now);
+                for &(i, _, _) in to_redis.iter() {
+                    self.limits[i].metrics.fallback.inc();
+                }
+                let idx = spans
+                    .iter()
+                    .filter(|s| in_fallback(&self.limits[s.0]))
+                    .map(|s| s.0);
+                results.extend(idx.zip(verdicts));
+                self.conclude(&results)
+            }
+        }
     }
 
     /// Policy after the decision, in one place: shadow rewrites a rejection into an admission,
     /// every decision is counted, and the most restrictive limit is picked for the headers.
-    fn conclude(&self, results: &[(usize, local::LocalVerdict)]) -> Verdict {
+    fn conclude(&self, results: &[(usize, LocalVerdict)]) -> Verdict {
         let mut worst_reject: Option<(usize, Rejection)> = None;
         for (i, v) in results {
             let l = &self.limits[*i];
@@ -256,6 +518,9 @@ impl LimitSet {
         }
     }
 }
+
+/// Per applicable limit: its index and its verdict.
+type Results = SmallVec<[(usize, LocalVerdict); 4]>;
 
 fn header_info(limit: usize, s: &Snapshot) -> HeaderInfo {
     HeaderInfo {

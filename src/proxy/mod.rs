@@ -24,8 +24,8 @@ use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 
 use crate::key::{RequestParts, client_ip};
-use crate::limit::Verdict;
 use crate::limit::clock::SharedClock;
+use crate::limit::{Context, Verdict};
 use crate::metrics::Metrics;
 use crate::routing::has_dot_segment;
 use crate::runtime::{Route, Runtime};
@@ -123,13 +123,23 @@ impl Proxy {
                 client_ip: client,
                 route: &route.name,
             };
-            limits.evaluate(&parts, self.clock.now(), allow_delay)
+            let cx = Context {
+                now: self.clock.now(),
+                redis: rt.redis.as_ref(),
+                on_error: rt.on_error,
+                allow_delay,
+                metrics: &self.metrics,
+            };
+            limits.evaluate(&parts, &cx).await
         };
         let info = match verdict {
             Verdict::Reject { limit, rejection } => {
                 let l = &limits.limits[limit];
                 tracing::info!(request_id = ?id, route = %route.name, limit = %l.name, status = 429, "rate limited");
                 return response::too_many_requests(&route.name, l, &rejection);
+            }
+            Verdict::Unavailable { limit } => {
+                return response::unavailable(&route.name, &limits.limits[limit].name);
             }
             Verdict::MissingKey { limit, part } => {
                 return response::missing_key(&route.name, &limits.limits[limit].name, &part);

@@ -99,6 +99,19 @@ pub type LocalVerdict = Result<(Snapshot, Micros), Rejection>;
 /// Returns whether the request is admitted and one verdict per check, in order. Every limit is
 /// evaluated even after one rejects, so the caller can report the most restrictive one.
 pub fn decide(checks: &[LocalCheck<'_>], now: Micros) -> (bool, SmallVec<[LocalVerdict; 4]>) {
+    decide_inner(checks, now, true)
+}
+
+/// [`decide`] without charging anything: what the checks would answer now.
+pub fn check(checks: &[LocalCheck<'_>], now: Micros) -> (bool, SmallVec<[LocalVerdict; 4]>) {
+    decide_inner(checks, now, false)
+}
+
+fn decide_inner(
+    checks: &[LocalCheck<'_>],
+    now: Micros,
+    charge: bool,
+) -> (bool, SmallVec<[LocalVerdict; 4]>) {
     let hashes: SmallVec<[u64; 4]> = checks.iter().map(|c| c.store.map.hash(c.key)).collect();
     let mut guards: SmallVec<[_; 4]> = SmallVec::new();
     let mut verdicts: SmallVec<[LocalVerdict; 4]> = SmallVec::new();
@@ -122,7 +135,7 @@ pub fn decide(checks: &[LocalCheck<'_>], now: Micros) -> (bool, SmallVec<[LocalV
         verdicts.push(v);
         guards.push(guard);
     }
-    if all {
+    if all && charge {
         for (((c, &hash), guard), v) in checks
             .iter()
             .zip(&hashes)

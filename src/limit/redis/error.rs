@@ -59,15 +59,20 @@ impl From<FredError> for RedisError {
         match e.kind() {
             ErrorKind::Timeout => RedisError::Timeout,
             ErrorKind::Protocol | ErrorKind::Parse => RedisError::Protocol(details),
-            ErrorKind::Unknown
+            kind @ (ErrorKind::Unknown
             | ErrorKind::InvalidArgument
             | ErrorKind::InvalidCommand
-            | ErrorKind::NotFound => {
+            | ErrorKind::NotFound) => {
                 let code = details.split_whitespace().next().unwrap_or("");
+                let redis_reply = !code.is_empty() && code.bytes().all(|b| b.is_ascii_uppercase());
                 if OUTAGE_REPLIES.contains(&code) {
                     RedisError::Connection(details)
-                } else {
+                } else if redis_reply || *kind != ErrorKind::Unknown {
                     RedisError::Script(details)
+                } else {
+                    // fred's own failures ("Failed to route command.") share the kind of
+                    // Redis's error replies but are about the connection.
+                    RedisError::Connection(details)
                 }
             }
             // IO, Canceled, Backpressure, Cluster, Routing, Auth, Config, Url, Tls, ...:

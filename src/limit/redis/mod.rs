@@ -197,7 +197,16 @@ impl Inner {
         args: Vec<i64>,
     ) -> Result<Vec<i64>, RedisError> {
         let client = self.pool.next_connected();
-        let call = script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
+        let call = async {
+            // Connecting (at startup, or right after Redis came back): wait for it within
+            // the same timeout rather than fail a request Redis could answer in time.
+            if !client.is_connected() {
+                client.wait_for_connect().await?;
+            }
+            script
+                .evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args)
+                .await
+        };
         let result = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => Err(RedisError::from(e)),
@@ -208,7 +217,13 @@ impl Inner {
     }
 
     async fn ping(&self) -> Result<(), RedisError> {
-        let call = self.pool.next_connected().ping::<()>(None);
+        let client = self.pool.next_connected();
+        let call = async {
+            if !client.is_connected() {
+                client.wait_for_connect().await?;
+            }
+            client.ping::<()>(None).await
+        };
         let result = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(RedisError::from(e)),

@@ -1,0 +1,509 @@
+//! Global limits on a real redis-server (and a real 3-node Redis Cluster): exact across
+//! instances, atomic across a request's limits, expiring keys, the in-process tier, and
+//! calm failure and recovery. One server is shared by the tests that do not stop it; they use
+//! distinct route names, so their keys never meet.
+
+mod support;
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use support::redis::{RedisCluster, RedisServer};
+use support::upstream::Upstream;
+use support::{Gateway, client, metric};
+
+fn shared_redis() -> &'static RedisServer {
+    static R: OnceLock<RedisServer> = OnceLock::new();
+    R.get_or_init(RedisServer::start)
+}
+
+/// Tests about sharing and atomicity give Redis a timeout no debug build on a loaded CI
+/// machine reaches; the failure tests below use a production-like one.
+fn cfg(redis: &str, on_error: &str, routes: &str) -> String {
+    cfg_timeout(redis, on_error, "2s", routes)
+}
+
+fn cfg_timeout(redis: &str, on_error: &str, timeout: &str, routes: &str) -> String {
+    format!(
+        "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nredis:\n  {redis}\n  timeout: {timeout}\n  on_error: {on_error}\n  pool_size: 2\nroutes:\n{routes}"
+    )
+}
+
+fn route(name: &str, upstream: &str, limits: &str) -> String {
+    format!("  - name: {name}\n    upstream: {upstream}\n    limits:\n{limits}")
+}
+
+async fn start_n(n: usize, yaml: &str) -> Vec<Gateway> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(Gateway::start(yaml).await);
+    }
+    v
+}
+
+/// Sends `total` requests spread round-robin over the gateways, `concurrency` at a time;
+/// returns how many were admitted (200) and how many rejected (429).
+async fn hammer(
+    gws: &[Gateway],
+    path: &str,
+    total: usize,
+    headers: Vec<(&str, String)>,
+) -> (usize, usize) {
+    let c = client();
+    let reqs = (0..total).map(|i| {
+        let mut r = c.get(gws[i % gws.len()].url(path));
+        for (k, v) in &headers {
+            r = r.header(*k, v.as_str());
+        }
+        r.send()
+    });
+    let resps = join_all(reqs).await;
+    let mut ok = 0;
+    let mut limited = 0;
+    for r in resps {
+        match r.unwrap().status().as_u16() {
+            200 => ok += 1,
+            429 => limited += 1,
+            s => {
+                let m = gws[0].metrics().await;
+                let errors: Vec<&str> = m
+                    .lines()
+                    .filter(|l| l.starts_with("tollgate_redis_errors_total"))
+                    .collect();
+                panic!("unexpected status {s}; {errors:?}")
+            }
+        }
+    }
+    (ok, limited)
+}
+
+#[tokio::test]
+async fn three_instances_share_one_budget_exactly_for_every_algorithm() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    // Periods of a day: the test cannot straddle a window boundary or see a refill.
+    let cases = [
+        (
+            "ex-gcra",
+            "algorithm: gcra\n        rate: 1000/1d\n        burst: 17",
+            17,
+        ),
+        (
+            "ex-fixed",
+            "algorithm: fixed_window\n        rate: 17/1d",
+            17,
+        ),
+        (
+            "ex-sliding",
+            "algorithm: sliding_window\n        rate: 17/1d",
+            17,
+        ),
+        ("ex-log", "algorithm: sliding_log\n        rate: 17/1d", 17),
+    ];
+    let routes: String = cases
+        .iter()
+        .map(|(name, alg, _)| {
+            format!(
+                "  - name: {name}\n    match: {{ path_prefix: /{name} }}\n    upstream: {}\n    limits:\n      - name: shared\n        key: [literal:one]\n        {alg}\n",
+                up.url()
+            )
+        })
+        .collect();
+    let yaml = cfg(&format!("url: {}", redis.url()), "deny", &routes);
+    let gws = start_n(3, &yaml).await;
+    for (name, _, bound) in cases {
+        let (ok, limited) = hammer(&gws, &format!("/{name}"), 60, vec![]).await;
+        assert_eq!(ok, bound, "{name}: admitted across 3 instances");
+        assert_eq!(limited, 60 - bound, "{name}");
+    }
+    assert_eq!(up.hits(), 17 * 4);
+}
+
+#[tokio::test]
+async fn concurrent_clients_on_many_keys_never_over_admit() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: per-user\n        key: [header:x-user]\n        algorithm: sliding_log\n        rate: 5/1d\n";
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("many", &up.url(), limits),
+    );
+    let gws = start_n(3, &yaml).await;
+    let users: Vec<String> = (0..20).map(|i| format!("u{i}")).collect();
+    let runs = users
+        .iter()
+        .map(|u| hammer(&gws, "/", 12, vec![("x-user", u.clone())]));
+    for (ok, _) in join_all(runs).await {
+        assert_eq!(ok, 5);
+    }
+}
+
+#[tokio::test]
+async fn a_request_rejected_by_one_global_limit_consumes_from_none_and_keys_expire() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: wide
+        key: [literal:all]
+        algorithm: fixed_window
+        rate: 3/1h
+      - name: per-user
+        key: [header:x-user]
+        algorithm: gcra
+        rate: 1/1h
+        burst: 1
+";
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("atomic", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    let c = client();
+    let get = |u: &'static str| c.get(g.url("/")).header("x-user", u).send();
+    assert_eq!(get("a").await.unwrap().status(), 200);
+    for _ in 0..5 {
+        let r = get("a").await.unwrap();
+        assert_eq!(r.status(), 429);
+    }
+    // `wide` saw 6 requests but only one consumed it.
+    let state: serde_json::Value = c
+        .get(g.admin_url("/admin/limits/atomic/wide?key=all"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(state["store"], "redis");
+    assert_eq!(state["remaining"], 2, "{state}");
+    assert_eq!(get("b").await.unwrap().status(), 200);
+    assert_eq!(get("c").await.unwrap().status(), 200);
+    assert_eq!(get("d").await.unwrap().status(), 429);
+
+    // Every key the route wrote carries a TTL no longer than the time until it is full again.
+    let keys = redis.cli(&["--scan", "--pattern", "tg:{atomic/*"]);
+    let keys: Vec<&str> = keys.lines().collect();
+    assert!(keys.len() >= 4, "{keys:?}");
+    for k in keys {
+        let ttl: i64 = redis.cli(&["PTTL", k]).parse().unwrap();
+        assert!(ttl > 0 && ttl <= 3_600_000, "{k}: PTTL {ttl}");
+    }
+}
+
+#[tokio::test]
+async fn keys_vanish_once_their_state_is_full_again() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: short\n        key: [literal:k]\n        algorithm: gcra\n        rate: 10/1s\n        burst: 2\n";
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("ttl", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    client().get(g.url("/")).send().await.unwrap();
+    let keys = || redis.cli(&["--scan", "--pattern", "tg:{ttl/short/k}*"]);
+    assert_eq!(keys().lines().count(), 1);
+    // One emission interval (100 ms) later the bucket is full: the key is gone.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(keys(), "");
+}
+
+#[tokio::test]
+async fn a_flood_from_one_client_is_answered_in_process() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: hot\n        key: [literal:hot]\n        algorithm: gcra\n        rate: 10/1d\n        burst: 5\n";
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("flood", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    let c = client();
+    let mut statuses = Vec::new();
+    for _ in 0..400 {
+        statuses.push(c.get(g.url("/")).send().await.unwrap().status().as_u16());
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5);
+    let m = g.metrics().await;
+    let redis_calls = metric(
+        &m,
+        "tollgate_limiter_tier_decisions_total{scope=\"global\",tier=\"redis\"}",
+    )
+    .unwrap();
+    let in_process = metric(
+        &m,
+        "tollgate_limiter_tier_decisions_total{scope=\"global\",tier=\"in_process\"}",
+    )
+    .unwrap();
+    let rejected = 395.0;
+    assert_eq!(redis_calls + in_process, 400.0);
+    // The bucket mirror learns from the 5th admission that the next request cannot fit.
+    assert!(
+        redis_calls / rejected < 0.05,
+        "{redis_calls} redis calls for {rejected} rejections"
+    );
+    // The local answer carries the same Retry-After Redis would give.
+    let r = c.get(g.url("/")).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry > 8_000 && retry <= 8_640, "{retry}");
+}
+
+#[tokio::test]
+async fn script_flush_mid_traffic_is_invisible() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: l\n        key: [literal:x]\n        algorithm: sliding_window\n        rate: 30/1d\n";
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("flush", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    let c = client();
+    let mut ok = 0;
+    for i in 0..50 {
+        if i % 10 == 5 {
+            assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
+        }
+        match c.get(g.url("/")).send().await.unwrap().status().as_u16() {
+            200 => ok += 1,
+            429 => {}
+            s => panic!("status {s} after SCRIPT FLUSH"),
+        }
+    }
+    assert_eq!(ok, 30);
+    let m = g.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "tollgate_limiter_tier_decisions_total{scope=\"global\",tier=\"fallback\"}"
+        ),
+        Some(0.0)
+    );
+}
+
+async fn wait_until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let t = Instant::now();
+    while !f().await {
+        assert!(t.elapsed() < limit, "{what} not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn redis_down_fails_open_or_closed_without_a_timeout_storm_and_recovers_by_itself() {
+    let mut redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let limits =
+        "      - name: l\n        key: [ip]\n        algorithm: fixed_window\n        rate: 3/1d\n";
+    let url = format!("url: {}", redis.url());
+    let open = Gateway::start(&cfg_timeout(
+        &url,
+        "allow",
+        "100ms",
+        &route("open", &up.url(), limits),
+    ))
+    .await;
+    let closed = Gateway::start(&cfg_timeout(
+        &url,
+        "deny",
+        "100ms",
+        &route("closed", &up.url(), limits),
+    ))
+    .await;
+    let c = client();
+    assert_eq!(c.get(open.url("/")).send().await.unwrap().status(), 200);
+    assert_eq!(c.get(closed.url("/")).send().await.unwrap().status(), 200);
+    redis.stop();
+
+    // Fail closed: 503 with Retry-After: 1.
+    let r = c.get(closed.url("/")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(
+        c.get(closed.admin_url("/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    // Fail open: the local fallback decides, with the same quota per instance.
+    let statuses: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            v.push(c.get(open.url("/")).send().await.unwrap().status().as_u16());
+        }
+        v
+    };
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    assert_eq!(
+        c.get(open.admin_url("/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let m = open.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "tollgate_fallback_decisions_total{route=\"open\",limit=\"l\"}"
+        )
+        .unwrap()
+            >= 4.0,
+        "{m}"
+    );
+    // The breaker is open: no request waits for the 50 ms timeout any more.
+    let t = Instant::now();
+    for _ in 0..20 {
+        c.get(closed.url("/")).send().await.unwrap();
+    }
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "20 requests took {:?}",
+        t.elapsed()
+    );
+
+    // Back: decisions return to Redis by themselves within a second or two.
+    redis.restart();
+    wait_until(
+        "fail-closed gateway serves from Redis again",
+        Duration::from_secs(3),
+        async || c.get(closed.url("/")).send().await.unwrap().status() == 200,
+    )
+    .await;
+    wait_until("readyz up", Duration::from_secs(3), async || {
+        c.get(closed.admin_url("/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == 200
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_gateway_starts_and_serves_when_redis_is_down_at_startup() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let up = Upstream::start().await;
+    let limits = "      - name: l\n        key: [ip]\n        rate: 2/1d\n";
+    let g = Gateway::start(&cfg_timeout(
+        &format!("url: redis://127.0.0.1:{port}"),
+        "allow",
+        "50ms",
+        &route("cold", &up.url(), limits),
+    ))
+    .await;
+    let c = client();
+    let t = Instant::now();
+    assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+    assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+    assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 429);
+    assert!(t.elapsed() < Duration::from_secs(1));
+    let ready: serde_json::Value = c
+        .get(g.admin_url("/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ready["redis"], "down");
+    assert_eq!(ready["ready"], true);
+}
+
+#[tokio::test]
+async fn cluster_shares_exact_budgets_with_keys_on_all_three_nodes() {
+    let cluster = RedisCluster::start();
+    let up = Upstream::start().await;
+    let nodes: Vec<String> = cluster.urls();
+    let exact = "      - name: per-user
+        key: [header:x-user]
+        algorithm: fixed_window
+        rate: 4/1d
+";
+    let multi = "      - name: per-user
+        key: [header:x-user]
+        algorithm: fixed_window
+        rate: 4/1d
+      - name: per-tenant
+        key: [header:x-tenant]
+        algorithm: gcra
+        rate: 100/1d
+        burst: 6
+";
+    let routes = format!(
+        "{}{}",
+        route("cl", &up.url(), exact).replace(
+            "    upstream:",
+            "    match: { path_prefix: /cl }\n    upstream:"
+        ),
+        route("multi", &up.url(), multi).replace(
+            "    upstream:",
+            "    match: { path_prefix: /multi }\n    upstream:"
+        ),
+    );
+    let yaml = cfg(&format!("cluster: [{}]", nodes.join(", ")), "deny", &routes);
+    let gws = start_n(3, &yaml).await;
+
+    // Exact sharing: 12 users hammering 3 instances at once, every user gets exactly 4.
+    let users: Vec<String> = (0..12).map(|i| format!("user{i}")).collect();
+    let runs = users
+        .iter()
+        .map(|u| hammer(&gws, "/cl", 10, vec![("x-user", u.clone())]));
+    for (ok, _) in join_all(runs).await {
+        assert_eq!(ok, 4);
+    }
+    let mut on_node = [0usize; 3];
+    for u in &users {
+        on_node[cluster.node_for_key(&format!("tg:{{cl/per-user/{u}}}"))] += 1;
+    }
+    assert!(
+        on_node.iter().all(|n| *n > 0),
+        "keys spread over all nodes: {on_node:?}"
+    );
+
+    // All-or-nothing across slots (reserve, then refund on rejection): tenant t has 6; user x
+    // is rejected after 4, and those rejections — decided on another node — must not eat the
+    // tenant's budget. Sequential, so no request sees another's transient reservation.
+    assert_ne!(
+        cluster.node_for_key("tg:{multi/per-user/x}"),
+        cluster.node_for_key("tg:{multi/per-tenant/t}"),
+        "the two limits of this request live on different nodes"
+    );
+    let c = client();
+    let mut admitted = 0;
+    for (i, user) in ["x", "x", "x", "x", "x", "x", "y", "y", "y"]
+        .iter()
+        .enumerate()
+    {
+        let r = c
+            .get(gws[i % 3].url("/multi"))
+            .header("x-user", *user)
+            .header("x-tenant", "t")
+            .send()
+            .await
+            .unwrap();
+        admitted += usize::from(r.status() == 200);
+    }
+    assert_eq!(
+        admitted, 6,
+        "x: 4 of 6, then y: the 2 the tenant had left, not 0"
+    );
+}

@@ -1,0 +1,500 @@
+//! decide.lua and peek.lua against the Rust cores: random timelines (clock overridden) fed to
+//! both must give identical decisions and identical states, step by step, for every
+//! algorithm, for reservations, and for requests with several limits (where a rejection
+//! must leave every key untouched).
+
+#[path = "support/redis.rs"]
+mod redis_support;
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use fred::prelude::{Builder, Client, ClientLike, Config, KeysInterface};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+use redis_support::RedisServer;
+use tokio::runtime::Runtime;
+use tollgate::limit::algorithm::{
+    Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
+};
+use tollgate::limit::redis::{
+    GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, redis_keys,
+};
+
+/// A realistic epoch (µs since 1970), so Lua handles today's timestamps exactly.
+const EPOCH: Micros = 1_700_000_000_000_000;
+
+struct Shared {
+    rt: Runtime,
+    _server: RedisServer,
+    store: RedisStore,
+    raw: Client,
+}
+
+/// One server, store and raw client for the whole binary; each case uses its own keys.
+fn shared() -> &'static Shared {
+    static SHARED: OnceLock<Shared> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        let server = RedisServer::start();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (store, raw) = rt.block_on(async {
+            let mut settings = RedisSettings::new(RedisTarget::Single(server.url()));
+            settings.timeout = Duration::from_secs(5);
+            let store = RedisStore::connect(settings).expect("connect");
+            let raw = Builder::from_config(Config::from_url(&server.url()).expect("url"))
+                .build()
+                .expect("client");
+            raw.init().await.expect("raw client");
+            (store, raw)
+        });
+        Shared {
+            rt,
+            _server: server,
+            store,
+            raw,
+        }
+    })
+}
+
+fn fresh_key(tag: &str) -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "tg:{{mirror/{tag}/{}}}",
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn algorithm(kind: u8, q: Quota) -> Algorithm {
+    match kind {
+        0 => Algorithm::Gcra(Gcra::new(q)),
+        1 => Algorithm::FixedWindow(FixedWindow::new(q)),
+        2 => Algorithm::SlidingWindow(SlidingWindow::new(q)),
+        _ => Algorithm::SlidingLog(SlidingLog::new(q)),
+    }
+}
+
+/// Small quotas hit every branch; the large ones make sliding_window's products exceed 2^53,
+/// the range where Lua's doubles stop being exact on their own.
+fn quota() -> impl Strategy<Value = Quota> {
+    prop_oneof![
+        3 => (1u64..=20, 1u64..=50, 1u64..=20),
+        3 => (1u64..=20, 1u64..=10_000, 1u64..=20),
+        1 => (1u64..=1_000, 1_000u64..=60_000_000, 1u64..=1_000),
+        1 => (1_000_000u64..=50_000_000, 3_600_000_000u64..=604_800_000_000, 1u64..=20),
+    ]
+    .prop_map(|(count, period, burst)| Quota {
+        count,
+        period,
+        burst,
+    })
+}
+
+/// `(gap before the request, cost)` steps: mostly faster than the limit allows, sometimes a
+/// pause of up to three periods, several requests at one instant.
+fn steps(q: Quota, max_cost: u64, len: usize) -> impl Strategy<Value = Vec<(Micros, u64)>> {
+    let p = q.period;
+    let slot = (p / q.count).max(1);
+    let gap = prop_oneof![4 => 0..=slot, 3 => 0..=p, 1 => 0..=3 * p];
+    let cost = prop_oneof![3 => Just(1u64), 1 => 1..=max_cost.max(1)];
+    prop::collection::vec((gap, cost), 1..=len)
+}
+
+fn start(q: Quota) -> impl Strategy<Value = Micros> {
+    prop_oneof![0..=3 * q.period, EPOCH..=EPOCH + 3 * q.period]
+}
+
+/// What the Rust core answers for one limit, in the store's terms.
+fn rust_verdict(
+    alg: &Algorithm,
+    state: &State,
+    now: Micros,
+    cost: u64,
+    max_delay: Micros,
+) -> LimitVerdict {
+    match alg.reserve(state, now, cost, max_delay) {
+        Ok((snapshot, delay)) => LimitVerdict::Admitted { snapshot, delay },
+        Err(rejection) => LimitVerdict::Rejected(rejection),
+    }
+}
+
+async fn dump_all(raw: &Client, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    let mut out = Vec::new();
+    for k in keys {
+        out.push(raw.dump(k.as_str()).await.expect("DUMP"));
+    }
+    out
+}
+
+/// One limit, one timeline: every decision and every state (through peek) must match.
+fn mirror_one(
+    kind: u8,
+    q: Quota,
+    start: Micros,
+    steps: &[(Micros, u64)],
+    max_delay: Micros,
+) -> Result<(), TestCaseError> {
+    let sh = shared();
+    let alg = algorithm(kind, q);
+    let key = fresh_key(&format!("a{kind}"));
+    let max_delay = if alg.can_reserve() { max_delay } else { 0 };
+    sh.rt.block_on(async {
+        let mut state = alg.new_state();
+        let mut now = start;
+        for (i, &(gap, cost)) in steps.iter().enumerate() {
+            now += gap;
+            let cost = cost.min(alg.max_cost());
+            let limit = GlobalLimit {
+                algorithm: &alg,
+                key: &key,
+                cost,
+                max_delay,
+            };
+            let expected = rust_verdict(&alg, &state, now, cost, max_delay);
+            if expected.is_admitted() {
+                alg.commit(&mut state, now, cost);
+            }
+            let got = sh.store.decide(&[limit], Some(now)).await.expect("decide");
+            prop_assert_eq!(
+                got.admitted,
+                expected.is_admitted(),
+                "step {} at {} cost {}",
+                i,
+                now,
+                cost
+            );
+            prop_assert_eq!(
+                got.per_limit,
+                vec![expected],
+                "step {} at {} cost {}",
+                i,
+                now,
+                cost
+            );
+            let (peek, at) = sh.store.peek_at(&limit, Some(now)).await.expect("peek");
+            prop_assert_eq!(at, now);
+            prop_assert_eq!(
+                peek,
+                alg.peek(&state, now),
+                "peek after step {} at {}",
+                i,
+                now
+            );
+        }
+        let keys = redis_keys(&key, &alg);
+        let _: i64 = sh.raw.del(keys).await.expect("DEL");
+        Ok(())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn gcra_matches_rust_with_and_without_reservations(
+        (q, start, steps, max_delay) in quota().prop_flat_map(|q| {
+            let tau = Gcra::new(q).tau();
+            (Just(q), start(q), steps(q, q.burst, 200), prop_oneof![Just(0), 0..=tau, 0..=3 * tau])
+        })
+    ) {
+        mirror_one(0, q, start, &steps, max_delay)?;
+    }
+
+    #[test]
+    fn fixed_window_matches_rust((q, start, steps) in quota().prop_flat_map(|q| (Just(q), start(q), steps(q, q.count, 200)))) {
+        mirror_one(1, q, start, &steps, 0)?;
+    }
+
+    #[test]
+    fn sliding_window_matches_rust((q, start, steps) in quota().prop_flat_map(|q| (Just(q), start(q), steps(q, q.count, 200)))) {
+        mirror_one(2, q, start, &steps, 0)?;
+    }
+
+    #[test]
+    fn sliding_log_matches_rust((q, start, steps) in quota().prop_flat_map(|q| (Just(q), start(q), steps(q, q.count, 200)))) {
+        mirror_one(3, q, start, &steps, 0)?;
+    }
+}
+
+/// A request's limits: `(algorithm kind, quota, max_delay)` each.
+fn limit_set() -> impl Strategy<Value = Vec<(u8, Quota, Micros)>> {
+    let small = (1u64..=6, 1u64..=2_000, 1u64..=6).prop_map(|(count, period, burst)| Quota {
+        count,
+        period,
+        burst,
+    });
+    prop::collection::vec(
+        (0u8..4, small, prop_oneof![Just(0u64), 0..=3_000u64]),
+        2..=3,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// All limits are checked, and charged only together: a request one limit rejects
+    /// leaves every key byte for byte as it was.
+    #[test]
+    fn several_limits_are_all_or_nothing(
+        (set, start, steps) in limit_set().prop_flat_map(|set| {
+            let n = set.len();
+            (
+                Just(set),
+                prop_oneof![0..=10_000u64, EPOCH..=EPOCH + 10_000],
+                prop::collection::vec(
+                    (prop_oneof![3 => 0..=300u64, 1 => 0..=3_000u64], prop::collection::vec(prop_oneof![3 => Just(1u64), 1 => 1..=6u64], n)),
+                    1..=150,
+                ),
+            )
+        })
+    ) {
+        let sh = shared();
+        let algs: Vec<Algorithm> = set.iter().map(|&(kind, q, _)| algorithm(kind, q)).collect();
+        let delays: Vec<Micros> = set
+            .iter()
+            .zip(&algs)
+            .map(|(&(_, _, d), alg)| if alg.can_reserve() { d } else { 0 })
+            .collect();
+        let keys: Vec<String> = (0..algs.len()).map(|i| fresh_key(&format!("multi{i}"))).collect();
+        let all_keys: Vec<String> = keys.iter().zip(&algs).flat_map(|(k, a)| redis_keys(k, a)).collect();
+        sh.rt.block_on(async {
+            let mut states: Vec<State> = algs.iter().map(Algorithm::new_state).collect();
+            let mut now = start;
+            let mut rejected = 0;
+            for (i, (gap, costs)) in steps.iter().enumerate() {
+                now += gap;
+                let limits: Vec<GlobalLimit<'_>> = (0..algs.len())
+                    .map(|j| GlobalLimit {
+                        algorithm: &algs[j],
+                        key: &keys[j],
+                        cost: costs[j].min(algs[j].max_cost()),
+                        max_delay: delays[j],
+                    })
+                    .collect();
+                let expected: Vec<LimitVerdict> = limits
+                    .iter()
+                    .zip(&states)
+                    .map(|(l, s)| rust_verdict(l.algorithm, s, now, l.cost, l.max_delay))
+                    .collect();
+                let all = expected.iter().all(LimitVerdict::is_admitted);
+                if all {
+                    for (l, s) in limits.iter().zip(states.iter_mut()) {
+                        l.algorithm.commit(s, now, l.cost);
+                    }
+                } else {
+                    rejected += 1;
+                }
+                let before = dump_all(&sh.raw, &all_keys).await;
+                let got = sh.store.decide(&limits, Some(now)).await.expect("decide");
+                prop_assert_eq!(got.admitted, all, "step {} at {}", i, now);
+                prop_assert_eq!(&got.per_limit, &expected, "step {} at {}", i, now);
+                if !all {
+                    prop_assert_eq!(dump_all(&sh.raw, &all_keys).await, before, "a rejected request wrote (step {})", i);
+                }
+                for (l, s) in limits.iter().zip(&states) {
+                    let (peek, _) = sh.store.peek_at(l, Some(now)).await.expect("peek");
+                    prop_assert_eq!(peek, l.algorithm.peek(s, now), "peek {} after step {}", l.key, i);
+                }
+            }
+            let _ = rejected;
+            let _: i64 = sh.raw.del(all_keys).await.expect("DEL");
+            Ok(())
+        })?;
+    }
+}
+
+/// Deterministic reservation walk-through, so a regression reads as a story rather than a
+/// shrunk random case.
+#[test]
+fn gcra_reservation_queues_requests_behind_each_other() {
+    let sh = shared();
+    // 10/s (T = 100 ms), burst 2.
+    let alg = Algorithm::Gcra(Gcra::new(Quota {
+        count: 10,
+        period: 1_000_000,
+        burst: 2,
+    }));
+    let key = fresh_key("reserve");
+    let limit = |max_delay| GlobalLimit {
+        algorithm: &alg,
+        key: &key,
+        cost: 1,
+        max_delay,
+    };
+    sh.rt.block_on(async {
+        let now = EPOCH;
+        let delays: Vec<Option<Micros>> = {
+            let mut out = Vec::new();
+            for _ in 0..5 {
+                let d = sh
+                    .store
+                    .decide(&[limit(250_000)], Some(now))
+                    .await
+                    .expect("decide");
+                out.push(match d.per_limit[0] {
+                    LimitVerdict::Admitted { delay, .. } => Some(delay),
+                    LimitVerdict::Rejected(_) => None,
+                });
+            }
+            out
+        };
+        // Burst of 2 at once, then slots 100 ms and 200 ms out, then beyond max_delay.
+        assert_eq!(
+            delays,
+            [Some(0), Some(0), Some(100_000), Some(200_000), None]
+        );
+        // Without a reservation the same request is simply rejected, 300 ms to wait.
+        let d = sh
+            .store
+            .decide(&[limit(0)], Some(now))
+            .await
+            .expect("decide");
+        assert_eq!(
+            d.per_limit[0],
+            LimitVerdict::Rejected(tollgate::limit::algorithm::Rejection {
+                retry_after: 300_000,
+                remaining: 0,
+                reset_after: 400_000,
+            })
+        );
+    });
+}
+
+/// What to do with a step's commit in the refund test.
+#[derive(Clone, Copy, Debug)]
+enum Undo {
+    Keep,
+    /// Refund right after the decision, at the same instant.
+    Now,
+    /// Refund after the next step's decision, which saw these units (the cluster path's
+    /// race: another request decided between a commit and its refund).
+    AfterNext,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// refund.lua leaves the state as if the refunded request had never been admitted.
+    #[test]
+    fn refund_gives_back_exactly_what_a_commit_took(
+        (kind, q, start, steps) in (0u8..4, quota()).prop_flat_map(|(kind, q)| {
+            let undo = if kind == 0 {
+                // gcra: a refund after the bucket drained returns up to `cost` too much
+                // (documented), so only same-instant refunds are exact.
+                prop_oneof![2 => Just(Undo::Keep), 1 => Just(Undo::Now)].boxed()
+            } else {
+                prop_oneof![2 => Just(Undo::Keep), 1 => Just(Undo::Now), 1 => Just(Undo::AfterNext)].boxed()
+            };
+            let max_cost = algorithm(kind, q).max_cost();
+            (Just(kind), Just(q), start(q), (steps(q, max_cost, 120), prop::collection::vec(undo, 120)))
+        })
+    ) {
+        let sh = shared();
+        let alg = algorithm(kind, q);
+        let key = fresh_key(&format!("refund{kind}"));
+        let (steps, undos) = steps;
+        sh.rt.block_on(async {
+            let mut state = alg.new_state();
+            // (state without the pending commit, its instant, its cost)
+            let mut pending: Option<(State, Micros, u64)> = None;
+            let mut now = start;
+            for (i, (&(gap, cost), &undo)) in steps.iter().zip(&undos).enumerate() {
+                now += gap;
+                let cost = cost.min(alg.max_cost());
+                let limit = GlobalLimit { algorithm: &alg, key: &key, cost, max_delay: 0 };
+                let expected = rust_verdict(&alg, &state, now, cost, 0);
+                let got = sh.store.decide(&[limit], Some(now)).await.expect("decide");
+                prop_assert_eq!(&got.per_limit, &vec![expected], "step {} at {}", i, now);
+                let admitted = expected.is_admitted();
+                // The state without the pending commit and without this step's.
+                let prior = match &pending {
+                    Some((without, _, _)) => without.clone(),
+                    None => state.clone(),
+                };
+                if let Some((_, at, pending_cost)) = pending.take() {
+                    let l = GlobalLimit {
+                        cost: pending_cost,
+                        ..limit
+                    };
+                    sh.store.refund(&l, at, Some(now)).await.expect("refund");
+                }
+                state = prior.clone();
+                if admitted {
+                    alg.commit(&mut state, now, cost);
+                    match undo {
+                        Undo::Keep => {}
+                        Undo::Now => {
+                            let refunded = sh.store.refund(&limit, now, Some(now)).await.expect("refund");
+                            prop_assert!(refunded || cost == 0);
+                            state = prior;
+                        }
+                        Undo::AfterNext => pending = Some((prior, now, cost)),
+                    }
+                }
+                let (peek, _) = sh.store.peek_at(&limit, Some(now)).await.expect("peek");
+                prop_assert_eq!(peek, alg.peek(&state, now), "peek after step {} ({:?}) at {}", i, undo, now);
+            }
+            let _: i64 = sh.raw.del(redis_keys(&key, &alg)).await.expect("DEL");
+            Ok(())
+        })?;
+    }
+}
+
+/// A gcra refund after another request was decided cannot know where that request's
+/// emission would have started without the refunded one: it keeps the difference, so the
+/// bucket is never laxer than without the refunded request, and stricter by at most the
+/// time between commit and refund.
+#[test]
+fn gcra_refund_after_another_commit_is_never_laxer() {
+    let sh = shared();
+    // 10/s (T = 100 ms), burst 5.
+    let alg = Algorithm::Gcra(Gcra::new(Quota {
+        count: 10,
+        period: 1_000_000,
+        burst: 5,
+    }));
+    let t = EPOCH;
+    let lag = 30_000;
+    // (units taken before t, how far the refunded bucket may be behind the ideal one)
+    for (busy, slack) in [(0, 0), (3, lag)] {
+        let key = fresh_key("gcra-refund");
+        let limit = GlobalLimit {
+            algorithm: &alg,
+            key: &key,
+            cost: 1,
+            max_delay: 0,
+        };
+        let mut without = alg.new_state();
+        sh.rt.block_on(async {
+            for _ in 0..busy {
+                assert!(sh.store.decide(&[limit], Some(t)).await.unwrap().admitted);
+                alg.commit(&mut without, t, 1);
+            }
+            // A at t (to be refunded), B at t + lag, then A's refund.
+            assert!(sh.store.decide(&[limit], Some(t)).await.unwrap().admitted);
+            assert!(
+                sh.store
+                    .decide(&[limit], Some(t + lag))
+                    .await
+                    .unwrap()
+                    .admitted
+            );
+            alg.commit(&mut without, t + lag, 1);
+            assert!(sh.store.refund(&limit, t, Some(t + lag)).await.unwrap());
+            let (got, _) = sh.store.peek_at(&limit, Some(t + lag)).await.unwrap();
+            let ideal = alg.peek(&without, t + lag);
+            assert!(
+                got.reset_after >= ideal.reset_after
+                    && got.reset_after <= ideal.reset_after + slack,
+                "busy {busy}: refunded {got:?}, without the request {ideal:?}"
+            );
+            if slack == 0 {
+                assert_eq!(got, ideal);
+            }
+        });
+    }
+}

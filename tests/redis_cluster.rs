@@ -1,0 +1,198 @@
+//! RedisStore on a 3-primary Redis Cluster: a request whose limits live on different nodes
+//! is decided per slot and refunded when one rejects, so it stays all-or-nothing.
+
+#[path = "support/redis.rs"]
+mod redis_support;
+
+use std::time::Duration;
+
+use redis_support::RedisCluster;
+use tollgate::limit::algorithm::{
+    Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
+};
+use tollgate::limit::redis::{
+    GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, redis_keys,
+};
+
+const EPOCH: Micros = 1_700_000_000_000_000;
+
+/// One base key per node: tags are tried in turn until every primary owns one.
+fn keys_on_every_node(cluster: &RedisCluster, alg_for: impl Fn(usize) -> Algorithm) -> Vec<String> {
+    let mut found: Vec<Option<String>> = vec![None; 3];
+    for i in 0.. {
+        let key = format!("tg:{{cluster/user-{i}}}");
+        let node = cluster.node_for_key(&key);
+        if found[node].is_none() {
+            found[node] = Some(key);
+        }
+        if found.iter().all(Option::is_some) {
+            break;
+        }
+        assert!(i < 1000, "could not spread keys over the nodes");
+    }
+    let keys: Vec<String> = found.into_iter().map(Option::unwrap).collect();
+    for (node, key) in keys.iter().enumerate() {
+        for k in redis_keys(key, &alg_for(node)) {
+            assert_eq!(cluster.node_for_key(&k), node, "suffixed key left its slot");
+        }
+    }
+    keys
+}
+
+fn expected(alg: &Algorithm, state: &State, now: Micros, cost: u64) -> LimitVerdict {
+    match alg.reserve(state, now, cost, 0) {
+        Ok((snapshot, delay)) => LimitVerdict::Admitted { snapshot, delay },
+        Err(rejection) => LimitVerdict::Rejected(rejection),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_on_different_nodes_are_all_or_nothing() {
+    let cluster = RedisCluster::start();
+    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
+    settings.timeout = Duration::from_secs(2);
+    let store = RedisStore::connect(settings).unwrap();
+    assert!(store.is_cluster());
+
+    // Three limits, one per node; the sliding log runs out first.
+    let q = |count| Quota {
+        count,
+        period: 60_000_000,
+        burst: count,
+    };
+    let algs = [
+        Algorithm::Gcra(Gcra::new(q(10))),
+        Algorithm::FixedWindow(FixedWindow::new(q(10))),
+        Algorithm::SlidingLog(SlidingLog::new(q(3))),
+    ];
+    let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
+    let limits: Vec<GlobalLimit<'_>> = algs
+        .iter()
+        .zip(&keys)
+        .map(|(algorithm, key)| GlobalLimit {
+            algorithm,
+            key,
+            cost: 1,
+            max_delay: 0,
+        })
+        .collect();
+
+    let mut states: Vec<State> = algs.iter().map(Algorithm::new_state).collect();
+    let mut admitted = 0;
+    for step in 0..6u64 {
+        let now = EPOCH + step * 1_000;
+        let want: Vec<LimitVerdict> = limits
+            .iter()
+            .zip(&states)
+            .map(|(l, s)| expected(l.algorithm, s, now, l.cost))
+            .collect();
+        let all = want.iter().all(LimitVerdict::is_admitted);
+        if all {
+            for (l, s) in limits.iter().zip(states.iter_mut()) {
+                l.algorithm.commit(s, now, l.cost);
+            }
+        }
+        let d = store.decide(&limits, Some(now)).await.unwrap();
+        assert_eq!(d.admitted, all, "step {step}");
+        assert_eq!(d.per_limit, want, "step {step}");
+        // Rejected by the log alone: the other two nodes were charged and refunded.
+        for (l, s) in limits.iter().zip(&states) {
+            let (peek, _) = store.peek_at(l, Some(now)).await.unwrap();
+            assert_eq!(
+                peek,
+                l.algorithm.peek(s, now),
+                "{} after step {step}",
+                l.key
+            );
+        }
+        admitted += usize::from(d.admitted);
+    }
+    assert_eq!(admitted, 3);
+
+    // Every node holds its limit's keys.
+    for (node, (l, key)) in limits.iter().zip(&keys).enumerate() {
+        for k in redis_keys(key, l.algorithm) {
+            assert_eq!(
+                cluster.cli_node(node, &["exists", &k]),
+                "1",
+                "{k} on node {node}"
+            );
+        }
+    }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
+    let cluster = RedisCluster::start();
+    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
+    settings.timeout = Duration::from_secs(2);
+    let store = RedisStore::connect(settings).unwrap();
+    let q = Quota {
+        count: 2,
+        period: 60_000_000,
+        burst: 2,
+    };
+    let sw = Algorithm::SlidingWindow(SlidingWindow::new(q));
+    let log = Algorithm::SlidingLog(SlidingLog::new(Quota { count: 5, ..q }));
+    // Same tag, two limits: one script call on one node.
+    let limits = [
+        GlobalLimit {
+            algorithm: &sw,
+            key: "tg:{tenant-7}:a",
+            cost: 1,
+            max_delay: 0,
+        },
+        GlobalLimit {
+            algorithm: &log,
+            key: "tg:{tenant-7}:b",
+            cost: 1,
+            max_delay: 0,
+        },
+    ];
+    let node = cluster.node_for_key("tg:{tenant-7}:a");
+    let evalsha_calls = |n: usize| -> u64 {
+        let stats = cluster.cli_node(n, &["info", "commandstats"]);
+        stats
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .and_then(|l| l.split("calls=").nth(1))
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let before: Vec<u64> = (0..3).map(evalsha_calls).collect();
+    let mut verdicts = Vec::new();
+    for step in 0..3u64 {
+        verdicts.push(
+            store
+                .decide(&limits, Some(EPOCH + step))
+                .await
+                .unwrap()
+                .admitted,
+        );
+    }
+    assert_eq!(verdicts, [true, true, false]);
+    let after: Vec<u64> = (0..3).map(evalsha_calls).collect();
+    for n in 0..3 {
+        // The first call's NOSCRIPT counts as a failed EVALSHA too.
+        let calls = after[n] - before[n];
+        if n == node {
+            assert!(
+                (3..=4).contains(&calls),
+                "{calls} EVALSHA on the owning node"
+            );
+        } else {
+            assert_eq!(calls, 0, "node {n} was asked");
+        }
+    }
+    // SCRIPT LOAD after the first NOSCRIPT went to every primary.
+    for n in 0..3 {
+        let info = cluster.cli_node(n, &["info", "commandstats"]);
+        assert!(
+            info.contains("cmdstat_script|load"),
+            "node {n} never got SCRIPT LOAD"
+        );
+    }
+    store.shutdown().await;
+}
