@@ -284,50 +284,13 @@ cpu_ticks() {
     echo "$t"
 }
 
-# core_sample: "busy0 total0 busy1 total1" for PROXY_CPU and LOAD_CPU from /proc/stat.
+# core_sample: "busy0 total0 busy1 total1 work" for PROXY_CPU and LOAD_CPU from
+# /proc/stat; busy = not idle, work = user + nice + system time of both cores
+# (what processes ran; irq/softirq time left out).
 core_sample() {
     awk -v a="cpu$PROXY_CPU" -v b="cpu$LOAD_CPU" '
-        $1 == a || $1 == b { tot = 0; for (i = 2; i <= 9; i++) tot += $i; busy = tot - $5 - $6; r[$1] = busy " " tot }
-        END { print r[a], r[b] }' /proc/stat
-}
-
-# foreign_snapshot: "pid starttime ticks" of every user-space process that this
-# script did not start (not a descendant of $$): the competition.
-foreign_snapshot() {
-    python3 - "$$" <<'EOF'
-import os, sys
-root = int(sys.argv[1])
-rows = {}
-for d in os.listdir("/proc"):
-    if not d.isdigit():
-        continue
-    try:
-        with open(f"/proc/{d}/stat") as fh:
-            s = fh.read()
-    except OSError:
-        continue
-    f = s[s.rfind(")") + 2:].split()
-    rows[int(d)] = (int(f[1]), f[19], int(f[11]) + int(f[12]))  # ppid, starttime, utime+stime
-kids = {}
-for pid, (ppid, _, _) in rows.items():
-    kids.setdefault(ppid, []).append(pid)
-ours, todo = set(), [root]
-while todo:
-    p = todo.pop()
-    if p not in ours:
-        ours.add(p)
-        todo.extend(kids.get(p, []))
-for pid, (ppid, start, ticks) in rows.items():
-    if pid in ours or pid == 2 or ppid == 2:   # ours, or a kernel thread
-        continue
-    print(pid, start, ticks)
-EOF
-}
-
-# foreign_ticks BEFORE AFTER: CPU ticks other processes used in between (a lower
-# bound: a process that exited in between is not counted).
-foreign_ticks() {
-    awk 'NR == FNR { t[$1 " " $2] = $3; next } { n += $3 - (($1 " " $2) in t ? t[$1 " " $2] : 0) } END { print n + 0 }' "$1" "$2"
+        $1 == a || $1 == b { tot = 0; for (i = 2; i <= 9; i++) tot += $i; r[$1] = (tot - $5 - $6) " " tot; w += $2 + $3 + $4 }
+        END { print r[a], r[b], w }' /proc/stat
 }
 
 # wait_quiet: wait (WAIT_QUIET s at most) until both cores are idle.
@@ -374,27 +337,35 @@ target_tg-admit()  { target_alive tg-admit; target_alive direct; }
 target_tg-reject() { target_alive tg-reject; }
 
 # run_wrk TARGET SECONDS OUTFILE: one wrk run; writes wrk's output to OUTFILE
-# and prints "srv% core0% core1% other%" for the run.
+# and prints "srv% core0% core1% other%" for the run. other% is the CPU the two
+# cores spent running processes other than ours (server, upstream, wrk): what
+# the rest of the machine took from the measurement.
 run_wrk() {
     local target="$1" secs="$2" out="$3"
     "target_$target"
     wait_quiet
-    local pids; pids="$(server_pids "$target")"
-    local t0 c0 c1 t1 ms0 ms1 fticks
-    foreign_snapshot > "$out.foreign0"
-    t0="$(cpu_ticks $pids)"; c0="$(core_sample)"; ms0="$(date +%s%N)"
-    timeout --foreground $((secs + 30)) taskset -c "$LOAD_CPU" \
-        wrk -t1 -c"$CONNECTIONS" -d"${secs}s" --latency "$(target_url "$target")" > "$out" 2>&1 \
+    local pids ups=""
+    pids="$(server_pids "$target")"
+    [[ "$target" == direct ]] || ups="$(server_pids direct)"
+    local t0 u0 c0 c1 t1 u1 ns0 ns1
+    t0="$(cpu_ticks $pids)"; u0="$(cpu_ticks $ups)"; c0="$(core_sample)"; ns0="$(date +%s%N)"
+    # bash -c ... times: wrk's own CPU time, from the shell that waited for it.
+    timeout --foreground $((secs + 30)) taskset -c "$LOAD_CPU" bash -c \
+        'wrk "${@:2}"; rc=$?; times > "$1"; exit $rc' _ "$out.times" \
+        -t1 -c"$CONNECTIONS" -d"${secs}s" --latency "$(target_url "$target")" > "$out" 2>&1 \
         || die "wrk against ${LABEL[$target]} failed: $(tail -3 "$out")"
-    ms1="$(date +%s%N)"; c1="$(core_sample)"; t1="$(cpu_ticks $pids)"
-    foreign_snapshot > "$out.foreign1"
-    fticks="$(foreign_ticks "$out.foreign0" "$out.foreign1")"
-    awk -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" -v ns=$((ms1 - ms0)) -v c0="$c0" -v c1="$c1" -v ft="$fticks" 'BEGIN {
-        split(c0, a, " "); split(c1, b, " ")
-        srv = (t1 - t0) / hz / (ns / 1e9) * 100
-        k0 = (b[2] - a[2]) ? (b[1] - a[1]) / (b[2] - a[2]) * 100 : 0
-        k1 = (b[4] - a[4]) ? (b[3] - a[3]) / (b[4] - a[4]) * 100 : 0
-        printf "%.0f %.0f %.0f %.0f\n", srv, k0, k1, ft / hz / (ns / 1e9) * 100 }'
+    ns1="$(date +%s%N)"; c1="$(core_sample)"; t1="$(cpu_ticks $pids)"; u1="$(cpu_ticks $ups)"
+    awk -v t0="$t0" -v t1="$t1" -v u="$((u1 - u0))" -v hz="$CLK_TCK" -v ns=$((ns1 - ns0)) -v c0="$c0" -v c1="$c1" '
+        function secs(v,   m) { m = index(v, "m"); return substr(v, 1, m - 1) * 60 + substr(v, m + 1, length(v) - m - 1) }
+        NR == 2 { wrk = secs($1) + secs($2) }
+        END {
+            split(c0, a, " "); split(c1, b, " "); el = ns / 1e9
+            srv = (t1 - t0) / hz / el * 100
+            k0 = (b[2] - a[2]) ? (b[1] - a[1]) / (b[2] - a[2]) * 100 : 0
+            k1 = (b[4] - a[4]) ? (b[3] - a[3]) / (b[4] - a[4]) * 100 : 0
+            other = ((b[5] - a[5]) - (t1 - t0) - u) / hz - wrk
+            printf "%.0f %.0f %.0f %.0f\n", srv, k0, k1, (other > 0 ? other : 0) / el * 100
+        }' "$out.times"
 }
 
 # parse_wrk FILE: "rps p50_ms p99_ms requests non2xx socket_errors"
@@ -514,7 +485,7 @@ main() {
     echo "core $PROXY_CPU    : proxy under test alone: nginx (worker_processes 1) | tollgate (TOKIO_WORKER_THREADS=1, $tg_threads threads, RUST_LOG=warn)"
     echo "core $LOAD_CPU    : taskset -c $LOAD_CPU wrk -t1 -c$CONNECTIONS -d${DURATION}s --latency URL, and the upstream (nginx, 1 worker, return 200 \"ok\\n\")"
     echo "figures   : median of $ROUNDS interleaved round(s); srv% = CPU of the target's server (% of one core),"
-    echo "            core% = that core busy, other% = CPU taken by processes this script did not start (should be ~0)"
+    echo "            core% = that core busy, other% = CPU the two cores gave to anything but server, upstream, wrk (should be ~0)"
     echo
     printf '%-16s %9s %8s %8s %5s %6s %6s %6s  %s\n' target "req/s" "p50 ms" "p99 ms" "srv%" "core$PROXY_CPU%" "core$LOAD_CPU%" "other%" "req/s per round"
     for t in "${TARGETS[@]}"; do

@@ -236,6 +236,7 @@ impl App {
         let shared = self.shared;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
+        let syncer = tokio::spawn(sync_eventual(shared.clone(), stop_rx.clone()));
         let watcher = shared
             .options
             .config_path
@@ -271,6 +272,7 @@ impl App {
             tracing::warn!(connections = left, "exiting with connections still open");
         }
         sweeper.abort();
+        syncer.abort();
         if let Some(w) = watcher {
             w.abort();
         }
@@ -310,5 +312,80 @@ async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch:
         }
         // A refused file is logged and counted inside reload; the running config stays.
         let _ = shared.reload().await;
+    }
+}
+
+/// How often the eventual-consistency syncer looks for limits whose `sync_interval` is due.
+const SYNC_TICK: Duration = Duration::from_millis(5);
+
+/// Pushes and pulls the counts of `consistency: eventual` limits, each every `sync_interval`.
+async fn sync_eventual(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SYNC_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let rt = shared.proxy.runtime.load_full();
+        let Some(redis) = &rt.redis else { continue };
+        let now = shared.proxy.clock.now();
+        let due = rt
+            .routes
+            .iter()
+            .flat_map(|r| r.limits.limits.iter())
+            .filter(|l| {
+                l.eventual.as_ref().is_some_and(|ev| {
+                    let last = ev.last_sync.load(std::sync::atomic::Ordering::Relaxed);
+                    now >= last + l.sync_interval
+                })
+            });
+        let jobs = due.map(|l| sync_limit(&shared, redis, l, now));
+        futures_util::future::join_all(jobs).await;
+    }
+}
+
+async fn sync_limit(
+    shared: &Shared,
+    redis: &crate::limit::redis::RedisStore,
+    l: &Limit,
+    now: crate::limit::algorithm::Micros,
+) {
+    let Some(ev) = &l.eventual else { return };
+    ev.last_sync
+        .store(now, std::sync::atomic::Ordering::Relaxed);
+    let clock = &shared.proxy.clock;
+    let period = l.algorithm.quota().period;
+    // Two periods: after that no decision reads a window's counter.
+    let ttl_ms = (2 * period).div_ceil(1000) + 1000;
+    let items = ev.due(now);
+    let calls = items.iter().map(|it| async move {
+        let sent = clock.now();
+        let r = redis
+            .sync_counts(
+                l.eventual_key(&it.key, it.ws),
+                l.eventual_key(&it.key, it.ws.saturating_sub(period)),
+                it.push_curr,
+                it.push_prev,
+                ttl_ms,
+            )
+            .await;
+        (it, sent, r)
+    });
+    for (it, sent, r) in futures_util::future::join_all(calls).await {
+        match r {
+            Ok((curr, prev, server_now)) => ev.apply(
+                &l.algorithm,
+                it,
+                (curr, prev),
+                server_now,
+                sent,
+                clock.now(),
+            ),
+            Err(e) => {
+                shared.proxy.metrics.redis_error(e.kind());
+                ev.retry(&l.algorithm, it, clock.now());
+            }
+        }
     }
 }

@@ -16,3 +16,4 @@ pub mod metrics;
 pub mod proxy;
 pub mod routing;
 pub mod runtime;
+pub mod tls;

@@ -15,6 +15,7 @@ use http::uri::{Authority, Scheme};
 use ipnet::IpNet;
 
 use crate::config::{Config, LimitConfig, OnError, RedisConfig, RedisTarget};
+use crate::limit::eventual::EventualStore;
 use crate::limit::local::LocalStore;
 use crate::limit::local::deny::DenyCache;
 use crate::limit::redis::{self, RedisSettings, RedisStore};
@@ -96,7 +97,10 @@ pub struct Runtime {
 }
 
 /// What survives a reload, keyed by route and limit name.
-type Carried = HashMap<(String, String), (LimitConfig, Arc<LocalStore>, Arc<DenyCache>)>;
+type Carried = HashMap<(String, String), (LimitConfig, Stores)>;
+
+/// A limit's state stores, carried over reloads together.
+type Stores = (Arc<LocalStore>, Arc<DenyCache>, Option<Arc<EventualStore>>);
 
 impl Runtime {
     pub fn build(config: Config, metrics: &Metrics, previous: Option<&Runtime>) -> Self {
@@ -108,7 +112,10 @@ impl Runtime {
                 for l in &r.limits.limits {
                     carried.insert(
                         (r.name.to_string(), l.name.to_string()),
-                        (l.config.clone(), l.store.clone(), l.tier.clone()),
+                        (
+                            l.config.clone(),
+                            (l.store.clone(), l.tier.clone(), l.eventual.clone()),
+                        ),
                     );
                 }
             }
@@ -141,13 +148,19 @@ impl Runtime {
                     .limits
                     .iter()
                     .map(|lc| {
-                        let (store, tier) = match carried
-                            .remove(&(rc.name.clone(), lc.name.clone()))
-                        {
-                            Some((old, store, tier)) if same_state_shape(&old, lc) => (store, tier),
-                            _ => Default::default(),
-                        };
-                        Limit::new(&rc.name, lc, store, tier, metrics.limit(&rc.name, &lc.name))
+                        let (store, tier, eventual) =
+                            match carried.remove(&(rc.name.clone(), lc.name.clone())) {
+                                Some((old, stores)) if same_state_shape(&old, lc) => stores,
+                                _ => Default::default(),
+                            };
+                        Limit::new(
+                            &rc.name,
+                            lc,
+                            store,
+                            tier,
+                            eventual,
+                            metrics.limit(&rc.name, &lc.name),
+                        )
                     })
                     .collect();
                 Route {
@@ -180,7 +193,11 @@ impl Runtime {
         self.routes
             .iter()
             .flat_map(|r| r.limits.limits.iter())
-            .map(|l| l.store.sweep(now) + l.tier.sweep(now))
+            .map(|l| {
+                l.store.sweep(now)
+                    + l.tier.sweep(now)
+                    + l.eventual.as_ref().map_or(0, |e| e.sweep(now))
+            })
             .sum()
     }
 }
@@ -194,6 +211,7 @@ fn same_state_shape(old: &LimitConfig, new: &LimitConfig) -> bool {
         && old.burst == new.burst
         && old.key == new.key
         && old.scope == new.scope
+        && old.consistency == new.consistency
 }
 
 fn settings_of(rc: &RedisConfig) -> RedisSettings {

@@ -21,8 +21,9 @@ use std::path::{Path, PathBuf};
 
 pub use self::summary::summary;
 pub use self::types::{
-    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, OnMissing,
-    PathMatch, Rate, RedisConfig, RedisTarget, RouteConfig, RouteMatch, Scope, ServerConfig,
+    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,
+    OnMissing, PathMatch, Rate, RedisConfig, RedisTarget, RouteConfig, RouteMatch, Scope,
+    ServerConfig, UpstreamCa,
 };
 
 /// A config that cannot be used, with the place to fix it.
@@ -71,10 +72,12 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     parse_str(path, &text)
 }
 
-/// Parses and validates `text`; `path` is only used in error messages.
+/// Parses and validates `text`; `path` is used in error messages, and its directory is where
+/// relative file paths in the config (`server.tls`, `server.upstream_ca`) are resolved from.
 pub fn parse_str(path: &Path, text: &str) -> Result<Config, ConfigError> {
     let raw = raw::parse(text).map_err(|e| e.in_file(path))?;
-    validate::config(raw).map_err(|e| e.in_file(path))
+    let base = path.parent().unwrap_or(Path::new(""));
+    validate::config(raw, base).map_err(|e| e.in_file(path))
 }
 
 /// A refusal before it knows which file it belongs to.

@@ -35,6 +35,15 @@ pub(super) struct RawServer {
     pub grace_period: Option<Text>,
     pub max_waiters: Option<Spanned<u64>>,
     pub admin_token: Option<Text>,
+    pub tls: Option<Spanned<RawTls>>,
+    pub upstream_ca: Option<Text>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    pub cert: Option<Text>,
+    pub key: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -9,9 +9,12 @@
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ipnet::IpNet;
+use rustls::pki_types::CertificateDer;
 use serde::{Serialize, Serializer};
 
 use super::rate::DurationText;
@@ -41,6 +44,44 @@ pub struct ServerConfig {
     /// the admin listener.
     #[serde(serialize_with = "serialize_secret")]
     pub admin_token: Option<String>,
+    /// TLS on the proxy listener; `None`: plain HTTP (and h2c).
+    pub tls: Option<ListenerTls>,
+    /// Extra trust anchors for `https://` upstreams, on top of the system roots.
+    pub upstream_ca: Option<UpstreamCa>,
+}
+
+/// `server.tls`: the proxy listener's certificate chain and key (PEM files; relative paths are
+/// relative to the config file's directory). The files are read when the config is validated,
+/// so a config that exists holds a usable certificate.
+#[derive(Clone, Debug, Serialize)]
+pub struct ListenerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Built from the two files: the chain, its key, ALPN `h2` and `http/1.1`.
+    #[serde(skip)]
+    pub server_config: Arc<rustls::ServerConfig>,
+}
+
+/// Equal when they name the same files (the material is what those files held when read).
+impl PartialEq for ListenerTls {
+    fn eq(&self, other: &Self) -> bool {
+        self.cert == other.cert && self.key == other.key
+    }
+}
+
+/// `server.upstream_ca`: a PEM bundle of CA certificates trusted for `https://` upstreams in
+/// addition to the system roots. Serializes as its path.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpstreamCa {
+    pub path: PathBuf,
+    /// Every certificate of the bundle, each checked to be usable as a trust anchor.
+    pub certs: Vec<CertificateDer<'static>>,
+}
+
+impl Serialize for UpstreamCa {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.path.serialize(s)
+    }
 }
 
 impl Default for ServerConfig {
@@ -52,6 +93,8 @@ impl Default for ServerConfig {
             grace_period: Duration::from_secs(30),
             max_waiters: 1024,
             admin_token: None,
+            tls: None,
+            upstream_ca: None,
         }
     }
 }

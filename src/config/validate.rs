@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ipnet::IpNet;
@@ -13,16 +14,22 @@ use serde_saphyr::Spanned;
 
 use super::limit;
 use super::rate::parse_duration;
-use super::raw::{OneOrMany, RawConfig, RawMatch, RawRedis, RawRoute, RawServer, Text};
+use super::raw::{OneOrMany, RawConfig, RawMatch, RawRedis, RawRoute, RawServer, RawTls, Text};
 use super::types::{
-    Config, OnError, PathMatch, RedisConfig, RedisTarget, RouteConfig, RouteMatch, ServerConfig,
+    Config, ListenerTls, OnError, PathMatch, RedisConfig, RedisTarget, RouteConfig, RouteMatch,
+    ServerConfig, UpstreamCa,
 };
 use super::{Invalid, Pos};
 
 pub(super) type Checked<T> = Result<T, Invalid>;
 
-pub(super) fn config(raw: RawConfig) -> Checked<Config> {
-    let server = raw.server.map(server).transpose()?.unwrap_or_default();
+/// `base` is the directory relative file paths are resolved from (the config file's).
+pub(super) fn config(raw: RawConfig, base: &Path) -> Checked<Config> {
+    let server = raw
+        .server
+        .map(|s| server(s, base))
+        .transpose()?
+        .unwrap_or_default();
     let redis = raw.redis.map(redis).transpose()?;
     let mut routes = Vec::new();
     let mut seen = HashMap::new();
@@ -36,7 +43,7 @@ pub(super) fn config(raw: RawConfig) -> Checked<Config> {
     })
 }
 
-fn server(raw: RawServer) -> Checked<ServerConfig> {
+fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
     let defaults = ServerConfig::default();
     let listen = raw.listen.as_ref().map(socket_addr).transpose()?;
     let admin = raw.admin.as_ref().map(socket_addr).transpose()?;
@@ -66,6 +73,12 @@ fn server(raw: RawServer) -> Checked<ServerConfig> {
         None => defaults.trusted_proxies,
     };
     let admin_token = raw.admin_token.as_ref().map(admin_token).transpose()?;
+    let tls = raw.tls.map(|t| listener_tls(t, base)).transpose()?;
+    let upstream_ca = raw
+        .upstream_ca
+        .as_ref()
+        .map(|t| upstream_ca(t, base))
+        .transpose()?;
     Ok(ServerConfig {
         listen,
         admin,
@@ -79,7 +92,55 @@ fn server(raw: RawServer) -> Checked<ServerConfig> {
             .max_waiters
             .map_or(Ok(defaults.max_waiters), |n| usize_of(&n))?,
         admin_token,
+        tls,
+        upstream_ca,
     })
+}
+
+/// A file named in the config; relative to the config file's directory.
+fn file_path(t: &Text, field: &str, base: &Path) -> Checked<PathBuf> {
+    let p = t.value.trim();
+    if p.is_empty() {
+        return Err(Invalid::new(
+            at(t),
+            format!("{field} is empty: give the path of a PEM file"),
+        ));
+    }
+    Ok(base.join(p))
+}
+
+/// Reads both files now, so `tollgate check` refuses a missing or unusable certificate at its
+/// line instead of the listener failing at start-up.
+fn listener_tls(raw: Spanned<RawTls>, base: &Path) -> Checked<ListenerTls> {
+    let tls_at = at(&raw);
+    let raw = raw.value;
+    let (Some(cert_t), Some(key_t)) = (raw.cert, raw.key) else {
+        return Err(Invalid::new(
+            tls_at,
+            "tls needs both `cert: PATH` (PEM certificate chain, leaf first) and `key: PATH` (its PEM private key); remove `tls` to serve plain HTTP",
+        ));
+    };
+    let cert = file_path(&cert_t, "tls.cert", base)?;
+    let key = file_path(&key_t, "tls.key", base)?;
+    let chain = crate::tls::load_certs(&cert)
+        .map_err(|e| Invalid::new(at(&cert_t), format!("tls.cert: {e}")))?;
+    let key_der =
+        crate::tls::load_key(&key).map_err(|e| Invalid::new(at(&key_t), format!("tls.key: {e}")))?;
+    let server_config = crate::tls::server_config(chain, key_der)
+        .map_err(|e| Invalid::new(at(&key_t), format!("tls.key: {e}")))?;
+    Ok(ListenerTls {
+        cert,
+        key,
+        server_config,
+    })
+}
+
+fn upstream_ca(t: &Text, base: &Path) -> Checked<UpstreamCa> {
+    let path = file_path(t, "upstream_ca", base)?;
+    let certs = crate::tls::load_certs(&path)
+        .and_then(|certs| crate::tls::check_roots(&certs).map(|()| certs))
+        .map_err(|e| Invalid::new(at(t), format!("upstream_ca: {e}")))?;
+    Ok(UpstreamCa { path, certs })
 }
 
 fn socket_addr(t: &Text) -> Checked<SocketAddr> {

@@ -19,6 +19,7 @@
 
 pub mod algorithm;
 pub mod clock;
+pub mod eventual;
 pub mod local;
 pub mod redis;
 
@@ -30,12 +31,13 @@ use smallvec::SmallVec;
 
 use prometheus_client::metrics::counter::Counter;
 
-use crate::config::{AlgorithmKind, LimitConfig, OnError, OnLimit, Scope};
+use crate::config::{AlgorithmKind, Consistency, LimitConfig, OnError, OnLimit, Scope};
 use crate::key::{KeyOutcome, KeySpec, RequestParts};
 use crate::metrics::{Histogram, LimitMetrics, Metrics};
 use algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, Rejection, SlidingLog, SlidingWindow, Snapshot,
 };
+use eventual::EventualStore;
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
 use redis::{GlobalLimit, LimitVerdict, RedisStore};
@@ -57,6 +59,10 @@ pub struct Limit {
     pub store: Arc<LocalStore>,
     /// Global limits: what Redis is known to reject (the in-process tier).
     pub tier: Arc<DenyCache>,
+    /// `consistency: eventual`: decided here on counts synced with Redis periodically.
+    pub eventual: Option<Arc<EventualStore>>,
+    /// Eventual limits: how often counts are exchanged with Redis.
+    pub sync_interval: Micros,
     /// Global limits: `tg:{ROUTE/LIMIT/` — the key value and `}` complete a Redis key whose
     /// hash tag holds all of it, so one limit's keys share a Cluster slot.
     pub redis_prefix: String,
@@ -71,6 +77,7 @@ impl Limit {
         config: &LimitConfig,
         store: Arc<LocalStore>,
         tier: Arc<DenyCache>,
+        eventual: Option<Arc<EventualStore>>,
         metrics: LimitMetrics,
     ) -> Self {
         let algorithm = algorithm_for(config);
@@ -97,6 +104,11 @@ impl Limit {
             shadow: config.shadow,
             store,
             tier,
+            eventual: match (config.scope, config.consistency) {
+                (Scope::Global, Consistency::Eventual) => Some(eventual.unwrap_or_default()),
+                _ => None,
+            },
+            sync_interval: micros(config.sync_interval),
             redis_prefix: format!("tg:{{{route}/{}/", config.name),
             metrics,
             policy,
@@ -112,8 +124,17 @@ impl Limit {
         k
     }
 
+    /// Decided in Redis on every request (`scope: global`, `consistency: strict`).
     fn is_global(&self) -> bool {
-        self.scope == Scope::Global
+        self.scope == Scope::Global && self.eventual.is_none()
+    }
+
+    /// The Redis counter of window `ws` of an eventual limit's key.
+    pub fn eventual_key(&self, key: &[u8], ws: Micros) -> String {
+        let mut k = self.redis_key(key);
+        k.push_str(":ev:");
+        k.push_str(&ws.to_string());
+        k
     }
 }
 
@@ -257,12 +278,59 @@ impl LimitSet {
         if spans.iter().any(|s| self.limits[s.0].is_global()) {
             return self.evaluate_global(&keys, &spans, cx, started).await;
         }
-        let checks = self.local_checks(&keys, &spans, cx, |_| true);
-        let (_, verdicts) = local::decide(&checks, cx.now);
+        // Eventual limits first, checked only: a rejection there needs nothing charged.
+        let mut results = self.check_eventual(&keys, &spans, cx);
+        if results
+            .iter()
+            .any(|(i, v)| v.is_err() && !self.limits[*i].shadow)
+        {
+            self.tiers.local.inc();
+            self.tiers.local_duration.observe(started.elapsed());
+            return self.conclude(&results);
+        }
+        let is_local = |l: &Limit| l.eventual.is_none();
+        let checks = self.local_checks(&keys, &spans, cx, is_local);
+        let (ok, verdicts) = local::decide(&checks, cx.now);
+        if ok {
+            self.commit_eventual(&keys, &spans, &results, cx);
+        }
         self.tiers.local.inc();
         self.tiers.local_duration.observe(started.elapsed());
-        let results: Results = spans.iter().map(|s| s.0).zip(verdicts).collect();
+        let local_idx = spans
+            .iter()
+            .filter(|s| is_local(&self.limits[s.0]))
+            .map(|s| s.0);
+        results.extend(local_idx.zip(verdicts));
         self.conclude(&results)
+    }
+
+    /// Every eventual limit's answer for this request, without charging.
+    fn check_eventual(&self, keys: &[u8], spans: &[Span], cx: &Context<'_>) -> Results {
+        spans
+            .iter()
+            .filter_map(|&(i, s, e)| {
+                let l = &self.limits[i];
+                let ev = l.eventual.as_ref()?;
+                let v = ev.check(&l.algorithm, &keys[s..e], cx.now, l.cost);
+                if v.is_err() {
+                    // Rejections need fresh totals too.
+                    ev.touch(&l.algorithm, &keys[s..e], ev.redis_now(cx.now), 0);
+                }
+                Some((i, v.map(|snap| (snap, 0))))
+            })
+            .collect()
+    }
+
+    /// Charges the eventual limits that admitted (the request as a whole was admitted).
+    fn commit_eventual(&self, keys: &[u8], spans: &[Span], results: &Results, cx: &Context<'_>) {
+        for (i, v) in results.iter() {
+            let l = &self.limits[*i];
+            if let (Some(ev), Ok(_)) = (&l.eventual, v)
+                && let Some(&(_, s, e)) = spans.iter().find(|sp| sp.0 == *i)
+            {
+                ev.commit(&l.algorithm, &keys[s..e], cx.now, l.cost);
+            }
+        }
     }
 
     fn local_checks<'k>(
@@ -317,15 +385,20 @@ impl LimitSet {
                 None => to_redis.push((i, s, e)),
             }
         }
-        // 2. Local limits, checked but not charged.
-        let is_local = |l: &Limit| !l.is_global();
+        // 2. Local and eventual limits, checked but not charged.
+        let is_local = |l: &Limit| !l.is_global() && l.eventual.is_none();
         let local = self.local_checks(keys, spans, cx, is_local);
         let (local_ok, local_verdicts) = local::check(&local, cx.now);
         let local_idx = spans
             .iter()
             .filter(|s| is_local(&self.limits[s.0]))
             .map(|s| s.0);
-        if !local_ok {
+        let eventual = self.check_eventual(keys, spans, cx);
+        let eventual_ok = eventual
+            .iter()
+            .all(|(i, v)| v.is_ok() || self.limits[*i].shadow);
+        results.extend(eventual.iter().cloned());
+        if !(local_ok && eventual_ok) {
             results.extend(local_idx.zip(local_verdicts));
             self.tiers.local.inc();
             self.tiers.local_duration.observe(started.elapsed());
@@ -412,8 +485,11 @@ impl LimitSet {
                     results.extend(local_idx.zip(local_verdicts));
                     return self.conclude(&results);
                 }
-                // 4. Charge the local limits.
-                let (_, charged) = local::decide(&local, cx.now);
+                // 4. Charge the local and eventual limits.
+                let (ok, charged) = local::decide(&local, cx.now);
+                if ok {
+                    self.commit_eventual(keys, spans, &eventual, cx);
+                }
                 results.extend(local_idx.zip(charged));
                 self.conclude(&results)
             }
@@ -429,10 +505,13 @@ impl LimitSet {
                 // on_error: allow — the global limits fall back to their local stores.
                 self.tiers.fallback.inc();
                 let in_fallback = |l: &Limit| {
-                    !l.is_global() || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
+                    is_local(l) || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
                 };
                 let all = self.local_checks(keys, spans, cx, in_fallback);
-                let (_, verdicts) = local::decide(&all, cx.now);
+                let (ok, verdicts) = local::decide(&all, cx.now);
+                if ok {
+                    self.commit_eventual(keys, spans, &eventual, cx);
+                }
                 for &(i, _, _) in to_redis.iter() {
                     self.limits[i].metrics.fallback.inc();
                 }

@@ -160,6 +160,8 @@ fn defaults_are_applied() {
             grace_period: Duration::from_secs(5),
             max_waiters: 10,
             admin_token: Some("s3cret".into()),
+            tls: None,
+            upstream_ca: None,
         }
     );
     assert_eq!(

@@ -128,6 +128,16 @@ impl<V> Sharded<V> {
         self.shards.iter().map(|s| s.0.lock().table.len()).sum()
     }
 
+    /// Visits every live entry, one shard lock at a time (never all at once).
+    pub fn for_each_live(&self, now: Micros, mut f: impl FnMut(&[u8], &mut V)) {
+        for s in self.shards.iter() {
+            let mut shard = s.0.lock();
+            for e in shard.table.iter_mut().filter(|e| e.expires_at > now) {
+                f(&e.key, &mut e.value);
+            }
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -540,6 +540,37 @@ impl RedisStore {
         Ok(reply.first() == Some(&1))
     }
 
+    /// Eventual consistency: adds this instance's unpushed counts to the window counters
+    /// `curr_key` (window W) and `prev_key` (W − period) and returns their totals and the
+    /// server time, in one script call (both keys share the limit's hash tag).
+    pub async fn sync_counts(
+        &self,
+        curr_key: String,
+        prev_key: String,
+        push_curr: u64,
+        push_prev: u64,
+        ttl_ms: u64,
+    ) -> Result<(u64, u64, Micros), RedisError> {
+        self.inner.check_breaker()?;
+        let arg = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let reply = self
+            .inner
+            .eval(
+                &self.inner.scripts.sync,
+                vec![curr_key, prev_key],
+                vec![arg(push_curr), arg(push_prev), arg(ttl_ms)],
+            )
+            .await?;
+        match reply[..] {
+            [c, p, now] => Ok((
+                u64::try_from(c).unwrap_or(0),
+                u64::try_from(p).unwrap_or(0),
+                u64::try_from(now).unwrap_or(0),
+            )),
+            _ => Err(RedisError::Protocol(format!("sync reply {reply:?}"))),
+        }
+    }
+
     /// The breaker lets requests through: Redis answered last time, or has not failed yet.
     pub fn is_available(&self) -> bool {
         self.inner.breaker().allows_requests()

@@ -30,6 +30,9 @@ pub const PEEK_LUA: &str = concat!(
 /// 2^53) hold them exactly next to a µs timestamp (~1.7e15 today): 2^50 µs is 35 years.
 pub const MAX_PARAM: u64 = 1 << 50;
 
+/// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
+pub const SYNC_LUA: &str = include_str!("lua/sync.lua");
+
 /// Values per limit in ARGV: algo, count, period, burst, cost, max_delay.
 pub const ARGS_PER_LIMIT: usize = 6;
 /// ARGV values before the first limit of decide.lua: now override, TTL floor, n.
@@ -46,6 +49,7 @@ pub struct Scripts {
     pub decide: Script,
     pub refund: Script,
     pub peek: Script,
+    pub sync: Script,
 }
 
 impl Scripts {
@@ -54,6 +58,7 @@ impl Scripts {
             decide: Script::from_lua(DECIDE_LUA),
             refund: Script::from_lua(REFUND_LUA),
             peek: Script::from_lua(PEEK_LUA),
+            sync: Script::from_lua(SYNC_LUA),
         }
     }
 }

@@ -1,0 +1,247 @@
+//! `consistency: eventual`: global limits decided in process, with counts exchanged with Redis
+//! every `sync_interval` instead of a round trip per request.
+//!
+//! Each instance keeps, per key, the window totals it last learned from Redis and the units it
+//! admitted itself since its last push. A decision feeds "learned total + own unpushed units"
+//! to the same pure window core a strict limit uses (`fixed_window` or `sliding_window`), so
+//! the arithmetic is the one the rest of tollgate is tested on. Every `sync_interval` each key
+//! touched since the last sync is pushed and pulled in one script call (`sync.lua`: INCRBY the
+//! window counter, read the totals), so Redis sees about (active keys ÷ `sync_interval`)
+//! commands per second whatever the request rate.
+//!
+//! Windows are aligned to Redis's clock (the offset to it is learned from every sync reply), so
+//! all instances count into the same window counters.
+//!
+//! Bound: an instance can only be unaware of what the others admitted since their last push,
+//! so with N instances the total admitted in a window is at most `COUNT` plus what the other
+//! N − 1 instances admit within one `sync_interval` (and never more than N × `COUNT`).
+//!
+//! A failed sync loses nothing: the unpushed units stay and are pushed by the next sync that
+//! succeeds; meanwhile each instance keeps deciding with what it knows.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+use super::algorithm::{Algorithm, Micros, Rejection, SlidingState, Snapshot, State, WindowState};
+use super::local::sharded::Sharded;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    /// Start of the window the counts below belong to (Redis time).
+    ws: Micros,
+    /// Totals learned from Redis for window `ws` and the one before.
+    known_curr: u64,
+    known_prev: u64,
+    /// Units admitted here and not yet pushed, for window `ws` and the one before.
+    own_curr: u64,
+    own_prev: u64,
+    /// Decided on since the last sync: due for a push/pull.
+    touched: bool,
+}
+
+impl Counts {
+    /// Moves the counts to window `w`: the current window becomes the previous one, or both
+    /// are forgotten when more than a window has passed (no decision reads them any more).
+    fn roll(&mut self, w: Micros, period: Micros) {
+        if w == self.ws {
+            return;
+        }
+        if w == self.ws + period {
+            self.known_prev = self.known_curr;
+            self.own_prev = self.own_curr;
+        } else {
+            self.known_prev = 0;
+            self.own_prev = 0;
+        }
+        self.ws = w;
+        self.known_curr = 0;
+        self.own_curr = 0;
+    }
+
+    /// The algorithm state these counts stand for.
+    fn state(&self, algorithm: &Algorithm) -> State {
+        match algorithm {
+            Algorithm::SlidingWindow(_) => State::SlidingWindow(SlidingState {
+                start: self.ws,
+                curr: self.known_curr + self.own_curr,
+                prev: self.known_prev + self.own_prev,
+            }),
+            _ => State::FixedWindow(WindowState {
+                start: self.ws,
+                count: self.known_curr + self.own_curr,
+            }),
+        }
+    }
+}
+
+/// One key's push/pull, as taken by [`EventualStore::due`].
+#[derive(Clone, Debug)]
+pub struct SyncItem {
+    pub key: Vec<u8>,
+    pub ws: Micros,
+    pub push_curr: u64,
+    pub push_prev: u64,
+}
+
+#[derive(Default)]
+pub struct EventualStore {
+    map: Sharded<Counts>,
+    /// Redis time − local time (µs), learned from sync replies.
+    offset: AtomicI64,
+    offset_known: std::sync::atomic::AtomicBool,
+    /// Local time of the last sync.
+    pub last_sync: AtomicU64,
+}
+
+impl std::fmt::Debug for EventualStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventualStore")
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+fn period(algorithm: &Algorithm) -> Micros {
+    algorithm.quota().period
+}
+
+impl EventualStore {
+    /// Redis time now, from the local clock and the learned offset. Before the first sync the
+    /// offset comes from the wall clock (Redis's `TIME` is wall-clock time too).
+    pub fn redis_now(&self, local_now: Micros) -> Micros {
+        if !self.offset_known.load(Ordering::Relaxed) {
+            let wall = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as i64);
+            let _ = self.offset.compare_exchange(
+                0,
+                wall - local_now as i64,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+        (local_now as i64 + self.offset.load(Ordering::Relaxed)).max(0) as Micros
+    }
+
+    /// What the limit answers for `key` now, without charging it.
+    pub fn check(
+        &self,
+        algorithm: &Algorithm,
+        key: &[u8],
+        local_now: Micros,
+        cost: u64,
+    ) -> Result<Snapshot, Rejection> {
+        let now = self.redis_now(local_now);
+        let p = period(algorithm);
+        let w = now - now % p;
+        let hash = self.map.hash(key);
+        let shard = self.map.lock(hash);
+        let mut c = shard.get(hash, key, now).copied().unwrap_or_default();
+        c.roll(w, p);
+        algorithm.check(&c.state(algorithm), now, cost)
+    }
+
+    /// Charges `cost` to `key` (after every limit of the request admitted).
+    pub fn commit(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros, cost: u64) {
+        let now = self.redis_now(local_now);
+        self.touch(algorithm, key, now, cost);
+    }
+
+    /// Marks `key` for the next sync (a rejection too: the instance needs fresh totals).
+    pub fn touch(&self, algorithm: &Algorithm, key: &[u8], now: Micros, cost: u64) {
+        let p = period(algorithm);
+        let w = now - now % p;
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        shard.update(
+            hash,
+            key,
+            now,
+            || Counts {
+                ws: w,
+                ..Counts::default()
+            },
+            |c, _| {
+                c.roll(w, p);
+                c.own_curr += cost;
+                c.touched = true;
+                w + 2 * p
+            },
+        );
+    }
+
+    /// The keys due for a push/pull, marking them untouched.
+    pub fn due(&self, local_now: Micros) -> Vec<SyncItem> {
+        let now = self.redis_now(local_now);
+        let mut out = Vec::new();
+        self.map.for_each_live(now, |key, c| {
+            if c.touched || c.own_curr > 0 || c.own_prev > 0 {
+                c.touched = false;
+                out.push(SyncItem {
+                    key: key.to_vec(),
+                    ws: c.ws,
+                    push_curr: c.own_curr,
+                    push_prev: c.own_prev,
+                });
+            }
+        });
+        out
+    }
+
+    /// Applies a sync reply: the pushed units are now part of the totals.
+    pub fn apply(
+        &self,
+        algorithm: &Algorithm,
+        item: &SyncItem,
+        totals: (u64, u64),
+        server_now: Micros,
+        sent: Micros,
+        received: Micros,
+    ) {
+        // Redis read its clock somewhere in the round trip: take the middle.
+        let local_mid = sent + (received.saturating_sub(sent)) / 2;
+        self.offset
+            .store(server_now as i64 - local_mid as i64, Ordering::Relaxed);
+        self.offset_known.store(true, Ordering::Relaxed);
+        let p = period(algorithm);
+        let hash = self.map.hash(&item.key);
+        let mut shard = self.map.lock(hash);
+        shard.update(
+            hash,
+            &item.key,
+            server_now,
+            || Counts {
+                ws: item.ws,
+                ..Counts::default()
+            },
+            |c, _| {
+                if c.ws == item.ws {
+                    c.known_curr = totals.0;
+                    c.known_prev = totals.1;
+                    c.own_curr -= item.push_curr.min(c.own_curr);
+                    c.own_prev -= item.push_prev.min(c.own_prev);
+                } else if c.ws == item.ws + p {
+                    // The window rolled while the sync was in flight.
+                    c.known_prev = totals.0;
+                    c.own_prev -= item.push_curr.min(c.own_prev);
+                }
+                c.ws + 2 * p
+            },
+        );
+    }
+
+    /// A failed sync: the key is due again next time (its units were not taken off).
+    pub fn retry(&self, algorithm: &Algorithm, item: &SyncItem, local_now: Micros) {
+        let now = self.redis_now(local_now);
+        let p = period(algorithm);
+        let hash = self.map.hash(&item.key);
+        let mut shard = self.map.lock(hash);
+        shard.update(hash, &item.key, now, Counts::default, |c, live| {
+            c.touched |= live;
+            c.ws + 2 * p
+        });
+    }
+
+    pub fn sweep(&self, local_now: Micros) -> usize {
+        self.map.sweep(self.redis_now(local_now))
+    }
+}
