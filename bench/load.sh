@@ -28,6 +28,8 @@
 #   WAIT_QUIET=20    before each run, wait up to this many seconds for both
 #                    cores to be idle (< QUIET_BUSY=15 % busy): on a shared box
 #                    a compiler on core 0 skews the comparison (0: don't wait)
+#   MAX_OTHER=10 RETRIES=2   a run during which other processes took more than
+#                    MAX_OTHER % CPU is made again, RETRIES times at most
 #   BUILD_TIMEOUT=1800  seconds allowed for `cargo build --release`
 #
 # Exit status: 0 every goal PASS; 1 a goal FAILed (the measurement itself is
@@ -66,7 +68,9 @@ BUILD_TIMEOUT="${BUILD_TIMEOUT:-1800}"
 KEEP="${KEEP:-0}"
 WAIT_QUIET="${WAIT_QUIET:-20}"
 QUIET_BUSY="${QUIET_BUSY:-15}"
-for v in DURATION ROUNDS CONNECTIONS WARMUP PROXY_CPU LOAD_CPU BUILD_TIMEOUT WAIT_QUIET QUIET_BUSY; do
+MAX_OTHER="${MAX_OTHER:-10}"
+RETRIES="${RETRIES:-2}"
+for v in DURATION ROUNDS CONNECTIONS WARMUP PROXY_CPU LOAD_CPU BUILD_TIMEOUT WAIT_QUIET QUIET_BUSY MAX_OTHER RETRIES; do
     [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "load.sh: $v must be a non-negative integer, got '${!v}'" >&2; exit 2; }
 done
 (( DURATION > 0 && ROUNDS > 0 && CONNECTIONS > 0 )) || { echo "load.sh: DURATION, ROUNDS, CONNECTIONS must be > 0" >&2; exit 2; }
@@ -431,8 +435,9 @@ main() {
     s="$(http_status "$(target_url tg-reject)")"; [[ "$s" == 429 ]] || die "tollgate reject answered $s, not 429"
     local tg_threads; tg_threads="$(awk '/^Threads:/ { print $2 }' "/proc/${TG_PID[proxy]}/status")"
 
-    local est=$(( (${#TARGETS[@]} * (ROUNDS * (DURATION + 1) + (WARMUP > 0 ? WARMUP + 1 : 0))) ))
-    log "${#TARGETS[@]} targets x $ROUNDS rounds x ${DURATION}s (about ${est}s)"
+    local est=$(( ${#TARGETS[@]} * (ROUNDS * (DURATION + 2) + (WARMUP > 0 ? WARMUP + 1 : 0)) ))
+    local most=$(( ${#TARGETS[@]} * (ROUNDS * (RETRIES + 1) * (DURATION + WAIT_QUIET + 3) + (WARMUP > 0 ? WARMUP + WAIT_QUIET + 2 : 0)) ))
+    log "${#TARGETS[@]} targets x $ROUNDS rounds x ${DURATION}s: about ${est}s on a quiet machine, ${most}s at most"
 
     if (( WARMUP > 0 )); then
         for t in "${TARGETS[@]}"; do run_wrk "$t" "$WARMUP" "$TMP/warmup-$t.txt" > /dev/null; sleep 0.5; done
@@ -440,12 +445,24 @@ main() {
 
     local results="$TMP/results.tsv" r t cpu parsed
     : > "$results"
+    local a best best_other other f
     for ((r = 1; r <= ROUNDS; r++)); do
         for t in "${TARGETS[@]}"; do
-            cpu="$(run_wrk "$t" "$DURATION" "$TMP/round$r-$t.txt")"
-            parsed="$(parse_wrk "$TMP/round$r-$t.txt")" || die "cannot parse wrk output for ${LABEL[$t]}: $(cat "$TMP/round$r-$t.txt")"
-            printf '%s\t%s\t%s\n' "$r" "$t" "$parsed $cpu" | tr ' ' '\t' >> "$results"
-            log "round $r/$ROUNDS ${LABEL[$t]}: $(awk '{ printf "%.0f req/s, p50 %.3f ms, p99 %.3f ms", $1, $2, $3 }' <<< "$parsed")"
+            # A run the rest of the machine disturbed (other% > MAX_OTHER) is
+            # made again, RETRIES times at most; the least disturbed one counts.
+            best=""; best_other=""
+            for ((a = 0; a <= RETRIES; a++)); do
+                f="$TMP/round$r-$t.try$a.txt"
+                cpu="$(run_wrk "$t" "$DURATION" "$f")"
+                parsed="$(parse_wrk "$f")" || die "cannot parse wrk output for ${LABEL[$t]}: $(cat "$f")"
+                other="${cpu##* }"
+                if [[ -z "$best" ]] || (( other < best_other )); then best="$parsed $cpu"; best_other="$other"; fi
+                (( other <= MAX_OTHER )) && break
+                (( a < RETRIES )) && log "round $r/$ROUNDS ${LABEL[$t]}: other processes took ${other}% CPU, measuring again"
+                sleep 1
+            done
+            printf '%s\t%s\t%s\n' "$r" "$t" "$best" | tr ' ' '\t' >> "$results"
+            log "round $r/$ROUNDS ${LABEL[$t]}: $(awk '{ printf "%.0f req/s, p50 %.3f ms, p99 %.3f ms, server %d%% CPU, other %d%%", $1, $2, $3, $7, $10 }' <<< "$best")"
             sleep 1
         done
     done
@@ -532,7 +549,7 @@ main() {
         fi
     done
     local worst; worst="$(awk -F'\t' '$12 > m { m = $12 } END { print m + 0 }' "$results")"
-    if (( worst <= 10 )); then
+    if (( worst <= MAX_OTHER )); then
         printf 'check ok   : quiet machine: other processes took at most %s%% CPU during any run\n' "$worst"
     else
         printf 'check WARN : other processes took up to %s%% CPU during a run (see other%%): the figures are noisy\n' "$worst"

@@ -507,3 +507,36 @@ async fn cluster_shares_exact_budgets_with_keys_on_all_three_nodes() {
         "x: 4 of 6, then y: the 2 the tenant had left, not 0"
     );
 }
+
+#[tokio::test]
+async fn delayed_requests_reserve_slots_in_redis_across_instances() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: vendor
+        key: [literal:vendor]
+        algorithm: gcra
+        rate: 10/1s
+        burst: 1
+        on_limit: delay
+        max_delay: 450ms
+";
+    let yaml = cfg(&format!("url: {}", redis.url()), "deny", &route("gdelay", &up.url(), limits));
+    let gws = start_n(2, &yaml).await;
+    let c = client();
+    let t0 = Instant::now();
+    let reqs = (0..7).map(|i| c.get(gws[i % 2].url("/")).send());
+    let statuses: Vec<u16> = join_all(reqs)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().status().as_u16())
+        .collect();
+    // One slot now and four within 450 ms, shared by both instances; two would wait too long.
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
+    let mut at: Vec<Duration> = up.arrivals.lock().unwrap().iter().map(|t| *t - t0).collect();
+    at.sort();
+    for (i, a) in at.iter().enumerate() {
+        let scheduled = Duration::from_millis(100 * i as u64);
+        assert!(*a + Duration::from_millis(30) >= scheduled, "slot {i} early: {a:?}");
+        assert!(*a <= scheduled + Duration::from_millis(200), "slot {i} late: {a:?}");
+    }
+}

@@ -25,7 +25,20 @@ pub fn summary(cfg: &Config) -> String {
     } else {
         join(&s.trusted_proxies, ", ")
     };
-    let _ = writeln!(out, "listen   {}", s.listen);
+    match &s.tls {
+        None => {
+            let _ = writeln!(out, "listen   {} (plain HTTP/1.1 and h2c)", s.listen);
+        }
+        Some(tls) => {
+            let _ = writeln!(
+                out,
+                "listen   {} (TLS, ALPN h2 + http/1.1; cert {}, key {})",
+                s.listen,
+                tls.cert.display(),
+                tls.key.display()
+            );
+        }
+    }
     let _ = writeln!(out, "admin    {} ({token})", s.admin);
     let _ = writeln!(
         out,
@@ -33,6 +46,24 @@ pub fn summary(cfg: &Config) -> String {
         DurationText(s.grace_period),
         s.max_waiters
     );
+    let upstream_trust = match &s.upstream_ca {
+        None => "system roots".to_owned(),
+        Some(ca) => format!(
+            "system roots + {} ({} certificate{})",
+            ca.path.display(),
+            ca.certs.len(),
+            if ca.certs.len() == 1 { "" } else { "s" }
+        ),
+    };
+    if cfg
+        .routes
+        .iter()
+        .flat_map(|r| &r.upstreams)
+        .any(|u| u.scheme_str() == Some("https"))
+        || s.upstream_ca.is_some()
+    {
+        let _ = writeln!(out, "upstream https trusts {upstream_trust}");
+    }
     match &cfg.redis {
         None => {
             let _ = writeln!(out, "redis    none: all limits local");
