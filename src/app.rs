@@ -196,12 +196,21 @@ impl App {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        // TLS on the listener is decided at start-up (certificates are re-read on reload); the
+        // upstream client's trust anchors too.
+        let server = &runtime.config.server;
+        let client = forward::Client::new(server.upstream_ca.as_ref().map_or(&[], |ca| &ca.certs));
+        let proto = if server.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         let proxy = Arc::new(Proxy {
             runtime: ArcSwap::from_pointee(runtime),
             metrics,
             clock,
-            client: forward::client(),
-            proto: "http",
+            client,
+            proto,
         });
         Ok(Self {
             shared: Arc::new(Shared {

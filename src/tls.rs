@@ -116,7 +116,10 @@ pub fn client_config(extra: &[CertificateDer<'static>]) -> ClientConfig {
     let mut roots = RootCertStore::empty();
     let (_, ignored) = roots.add_parsable_certificates(system_roots().iter().cloned());
     if ignored > 0 {
-        tracing::debug!(ignored, "system root certificates rustls cannot use were skipped");
+        tracing::debug!(
+            ignored,
+            "system root certificates rustls cannot use were skipped"
+        );
     }
     for cert in extra {
         // Checked when the config was validated.

@@ -520,7 +520,11 @@ async fn delayed_requests_reserve_slots_in_redis_across_instances() {
         on_limit: delay
         max_delay: 450ms
 ";
-    let yaml = cfg(&format!("url: {}", redis.url()), "deny", &route("gdelay", &up.url(), limits));
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("gdelay", &up.url(), limits),
+    );
     let gws = start_n(2, &yaml).await;
     let c = client();
     let t0 = Instant::now();
@@ -531,12 +535,28 @@ async fn delayed_requests_reserve_slots_in_redis_across_instances() {
         .map(|r| r.unwrap().status().as_u16())
         .collect();
     // One slot now and four within 450 ms, shared by both instances; two would wait too long.
-    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
-    let mut at: Vec<Duration> = up.arrivals.lock().unwrap().iter().map(|t| *t - t0).collect();
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        5,
+        "{statuses:?}"
+    );
+    let mut at: Vec<Duration> = up
+        .arrivals
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|t| *t - t0)
+        .collect();
     at.sort();
     for (i, a) in at.iter().enumerate() {
         let scheduled = Duration::from_millis(100 * i as u64);
-        assert!(*a + Duration::from_millis(30) >= scheduled, "slot {i} early: {a:?}");
-        assert!(*a <= scheduled + Duration::from_millis(200), "slot {i} late: {a:?}");
+        assert!(
+            *a + Duration::from_millis(30) >= scheduled,
+            "slot {i} early: {a:?}"
+        );
+        assert!(
+            *a <= scheduled + Duration::from_millis(200),
+            "slot {i} late: {a:?}"
+        );
     }
 }

@@ -3,39 +3,17 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use support::client;
+use support::process::Proc;
 use support::upstream::Upstream;
-use support::{TempDir, client};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Proc {
-    child: Child,
-    proxy: String,
-    admin: String,
-    _dir: TempDir,
-    path: std::path::PathBuf,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-    }
-}
-
-fn routes(upstream: &str, rate: &str, proxy: u16, admin: u16) -> String {
+fn routes(upstream: &str, rate: &str) -> String {
     format!(
         "server:
-  listen: 127.0.0.1:{proxy}
-  admin: 127.0.0.1:{admin}
+  listen: 127.0.0.1:PROXY_PORT
+  admin: 127.0.0.1:ADMIN_PORT
   grace_period: 5s
 routes:
   - name: api
@@ -48,43 +26,7 @@ routes:
 }
 
 async fn start(upstream: &str, rate: &str) -> Proc {
-    let dir = TempDir::new();
-    let path = dir.path.join("routes.yaml");
-    let (p, a) = (free_port(), free_port());
-    std::fs::write(&path, routes(upstream, rate, p, a)).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(["run", "--config", path.to_str().unwrap()])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let proc = Proc {
-        child,
-        proxy: format!("http://127.0.0.1:{p}"),
-        admin: format!("http://127.0.0.1:{a}"),
-        _dir: dir,
-        path,
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Ok(r) = client().get(format!("{}/healthz", proc.admin)).send().await
-            && r.status() == 200
-        {
-            return proc;
-        }
-        assert!(Instant::now() < deadline, "tollgate did not come up");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn signal(child: &Child, sig: &str) {
-    let ok = Command::new("kill")
-        .args([&format!("-{sig}"), &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
+    Proc::start(&routes(upstream, rate), &[], &[], false).await
 }
 
 #[tokio::test]
@@ -113,7 +55,7 @@ async fn sighup_reloads_the_file() {
         .replace("1/1h", "1/1s");
     // Written in place without a rename: the watcher may see it too; either way it reloads.
     std::fs::write(&p.path, text).unwrap();
-    signal(&p.child, "HUP");
+    p.signal("HUP");
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let cfg: serde_json::Value = c
@@ -147,7 +89,7 @@ async fn drains_on(sig: &str) {
         assert!(Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    signal(&p.child, sig);
+    p.signal(sig);
     tokio::time::sleep(Duration::from_millis(150)).await;
     // Not accepting any more.
     let fresh = reqwest::Client::builder().no_proxy().build().unwrap();

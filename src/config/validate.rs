@@ -124,8 +124,8 @@ fn listener_tls(raw: Spanned<RawTls>, base: &Path) -> Checked<ListenerTls> {
     let key = file_path(&key_t, "tls.key", base)?;
     let chain = crate::tls::load_certs(&cert)
         .map_err(|e| Invalid::new(at(&cert_t), format!("tls.cert: {e}")))?;
-    let key_der =
-        crate::tls::load_key(&key).map_err(|e| Invalid::new(at(&key_t), format!("tls.key: {e}")))?;
+    let key_der = crate::tls::load_key(&key)
+        .map_err(|e| Invalid::new(at(&key_t), format!("tls.key: {e}")))?;
     let server_config = crate::tls::server_config(chain, key_der)
         .map_err(|e| Invalid::new(at(&key_t), format!("tls.key: {e}")))?;
     Ok(ListenerTls {

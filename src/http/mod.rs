@@ -1,21 +1,27 @@
 //! The proxy listener: accept loop for HTTP/1.1 and h2c (prior knowledge) on one port, with
-//! upgrades, and graceful drain.
+//! upgrades, or for TLS with ALPN `h2` / `http/1.1` when `server.tls` is set; and graceful drain.
 //!
 //! On shutdown the loop stops accepting, every open connection is told to finish its in-flight
 //! requests and close (HTTP/1.1: no more keep-alive; HTTP/2: GOAWAY), and the drain waits up to
-//! the grace period before giving up on stragglers.
+//! the grace period before giving up on stragglers. A TLS connection is counted from its accept,
+//! so one still in its handshake is waited for too (and closed right after it).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
 
 use crate::proxy::Proxy;
+
+/// A client that has not finished its TLS handshake by then is dropped.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn builder() -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
@@ -29,14 +35,27 @@ pub fn builder() -> auto::Builder<TokioExecutor> {
 
 /// Serves `listener` until `shutdown` resolves, then drains for at most `grace`.
 /// Returns the number of connections that were still open when the grace period ran out.
+///
+/// The listener speaks TLS when the config it starts with has `server.tls`. Each new connection
+/// takes the certificate of the config running at its accept, so a reload with renewed files
+/// rotates the certificate without a restart; turning TLS on or off needs one.
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) -> usize {
-    let builder = builder();
+    let builder = Arc::new(builder());
     let graceful = GracefulShutdown::new();
+    let mut tls = proxy
+        .runtime
+        .load()
+        .config
+        .server
+        .tls
+        .as_ref()
+        .map(|t| t.server_config.clone());
+    let mut warned_tls_removed = false;
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -52,17 +71,35 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
-        let proxy = proxy.clone();
-        let svc = service_fn(move |req| proxy.clone().serve(req, peer));
-        let conn = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-            .into_owned();
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
+        let Some(current) = &mut tls else {
+            let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+            });
+            continue;
+        };
+        match &proxy.runtime.load().config.server.tls {
+            Some(t) => *current = t.server_config.clone(),
+            None if !warned_tls_removed => {
+                warned_tls_removed = true;
+                tracing::warn!(
+                    "server.tls was removed by a reload: the listener keeps serving TLS with the last certificate until restarted"
+                );
             }
-        });
+            None => {}
+        }
+        let acceptor = TlsAcceptor::from(current.clone());
+        tokio::spawn(serve_tls(
+            acceptor,
+            stream,
+            builder.clone(),
+            proxy.clone(),
+            peer,
+            graceful.watcher(),
+        ));
     }
     drop(listener);
     let open = graceful.count();
@@ -73,5 +110,50 @@ pub async fn serve(
             tracing::warn!(?grace, "grace period over with connections still open");
             open
         }
+    }
+}
+
+/// One connection on any transport: HTTP/1.1 (with upgrades) or HTTP/2, detected from the first
+/// bytes (for TLS, ALPN has made the client send what it agreed to).
+fn serve_one<I>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    proxy: Arc<Proxy>,
+    peer: SocketAddr,
+) -> impl hyper_util::server::graceful::GracefulConnection<
+    Output = Result<(), Box<dyn std::error::Error + Send + Sync>>,
+> + Send
++ 'static
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req| proxy.clone().serve(req, peer));
+    builder.serve_connection_with_upgrades(io, svc).into_owned()
+}
+
+/// Handshake, then serve. A failed or slow handshake costs only this connection, logged at debug
+/// (scanners and clients that distrust the certificate do it all day).
+async fn serve_tls(
+    acceptor: TlsAcceptor,
+    stream: TcpStream,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    proxy: Arc<Proxy>,
+    peer: SocketAddr,
+    watcher: Watcher,
+) {
+    let stream = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, %peer, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%peer, timeout = ?TLS_HANDSHAKE_TIMEOUT, "TLS handshake timed out");
+            return;
+        }
+    };
+    let conn = serve_one(&builder, TokioIo::new(stream), proxy, peer);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(error = %e, %peer, "connection ended with an error");
     }
 }

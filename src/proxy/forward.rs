@@ -1,36 +1,24 @@
 //! Forwarding an admitted request to the route's upstream over a pooled connection.
 //!
 //! The request body streams through untouched; the upstream request is rewritten only where a
-//! proxy must: absolute-form URI for the pooled client, HTTP/1.1 to the upstream, hop-by-hop
-//! fields removed, `X-Forwarded-*` set, `Host` kept or replaced per `preserve_host`. The route's
-//! `timeout` bounds the wait for the upstream's response head: past it, 504.
+//! proxy must: absolute-form URI for the client, hop-by-hop fields removed, `X-Forwarded-*` set,
+//! `Host` kept or replaced per `preserve_host`. It is sent as HTTP/1.1, or as HTTP/2 to an
+//! `https://` upstream that offers `h2` (see [`client`]). The route's `timeout` bounds the wait
+//! for the upstream's response head: past it, 504.
+
+mod client;
 
 use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use http::header::HOST;
 use http::{HeaderValue, Request, Response, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
+pub use self::client::{Client, UpstreamError};
 use super::{Body, Proxy, headers, response};
 use crate::runtime::{Route, Runtime};
-
-pub type Client = hyper_util::client::legacy::Client<HttpConnector, Body>;
-
-/// A pooled HTTP/1.1 client: keep-alive to upstreams, no Nagle delay.
-pub fn client() -> Client {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_keepalive(Some(Duration::from_secs(60)));
-    http.set_connect_timeout(Some(Duration::from_secs(5)));
-    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .build(http)
-}
 
 pub async fn forward(
     proxy: &Proxy,
@@ -79,7 +67,11 @@ pub async fn forward(
     let upstream_req = Request::from_parts(parts, body.boxed());
 
     let started = Instant::now();
-    let result = tokio::time::timeout(route.timeout, proxy.client.request(upstream_req)).await;
+    let result = tokio::time::timeout(
+        route.timeout,
+        proxy.client.request(upstream_req, client_upgrade.is_some()),
+    )
+    .await;
     route.metrics.upstream_duration.observe(started.elapsed());
     match result {
         Ok(Ok(mut resp)) => {

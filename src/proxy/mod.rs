@@ -75,7 +75,7 @@ impl Proxy {
         let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
-            tracing::debug!(request_id = ?id, method = %req.method(), status = 404, "no route");
+            tracing::debug!(request_id = id.to_str().unwrap_or("-"), method = %req.method(), status = 404, "no route");
             return resp;
         };
         let route = &rt.routes[idx];
@@ -85,7 +85,7 @@ impl Proxy {
         route.metrics.request(status);
         let elapsed = started.elapsed();
         route.metrics.request_duration.observe(elapsed);
-        tracing::debug!(request_id = ?id, route = %route.name, %method, status, ?elapsed, "request");
+        tracing::debug!(request_id = id.to_str().unwrap_or("-"), route = %route.name, %method, status, ?elapsed, "request");
         resp
     }
 
@@ -135,7 +135,7 @@ impl Proxy {
         let info = match verdict {
             Verdict::Reject { limit, rejection } => {
                 let l = &limits.limits[limit];
-                tracing::info!(request_id = ?id, route = %route.name, limit = %l.name, status = 429, "rate limited");
+                tracing::info!(request_id = id.to_str().unwrap_or("-"), route = %route.name, limit = %l.name, status = 429, "rate limited");
                 return response::too_many_requests(&route.name, l, &rejection);
             }
             Verdict::Unavailable { limit } => {

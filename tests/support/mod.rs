@@ -1,6 +1,7 @@
 //! Test support: real upstream HTTP servers on loopback and the gateway in process on port 0.
 #![allow(dead_code)]
 
+pub mod process;
 pub mod redis;
 pub mod upstream;
 

@@ -1,0 +1,169 @@
+//! The admin listener: token, running config, one key's state, and the logs an operator reads.
+
+mod support;
+
+use std::io::Read;
+
+use serde_json::Value;
+use support::process::Proc;
+use support::upstream::Upstream;
+use support::{Gateway, client};
+
+fn cfg(upstream: &str, extra_server: &str) -> String {
+    format!(
+        "server:
+  listen: 127.0.0.1:0
+  admin: 127.0.0.1:0
+{extra_server}routes:
+  - name: api
+    upstream: {upstream}
+    limits:
+      - name: per-user
+        key: [header:x-user]
+        algorithm: fixed_window
+        rate: 3/1h
+"
+    )
+}
+
+#[tokio::test]
+async fn admin_token_guards_admin_paths_but_not_metrics_or_probes() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "  admin_token: s3cret\n")).await;
+    let c = client();
+    let r = c.get(g.admin_url("/admin/config")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = c
+        .get(g.admin_url("/admin/config"))
+        .bearer_auth("wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(
+        c.post(g.admin_url("/admin/reload"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    let r = c
+        .get(g.admin_url("/admin/config"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let cfg: Value = r.json().await.unwrap();
+    assert_eq!(cfg["routes"][0]["name"], "api");
+    assert_ne!(
+        cfg["server"]["admin_token"], "s3cret",
+        "secrets are not echoed"
+    );
+    for open in ["/metrics", "/healthz", "/readyz"] {
+        assert_eq!(
+            c.get(g.admin_url(open)).send().await.unwrap().status(),
+            200,
+            "{open}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn limit_state_of_one_key() {
+    let up = Upstream::start().await;
+    let (g, _clock) = Gateway::start_manual(&cfg(&up.url(), "")).await;
+    let c = client();
+    c.get(g.url("/"))
+        .header("x-user", "ann")
+        .send()
+        .await
+        .unwrap();
+    let s: Value = c
+        .get(g.admin_url("/admin/limits/api/per-user?key=ann"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(s["remaining"], 2, "{s}");
+    assert_eq!(s["store"], "local");
+    assert!(s["reset_after_ms"].as_u64().unwrap() > 0);
+    let fresh: Value = c
+        .get(g.admin_url("/admin/limits/api/per-user?key=nobody"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(fresh["remaining"], 3);
+    assert_eq!(fresh["reset_after_ms"], 0);
+    let r = c
+        .get(g.admin_url("/admin/limits/api/nope?key=x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = c
+        .get(g.admin_url("/admin/limits/api/per-user"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}
+
+#[tokio::test]
+async fn json_logs_name_route_limit_and_status_of_a_rejection_but_never_the_key() {
+    let up = Upstream::start().await;
+    let yaml = cfg(&up.url(), "").replace(
+        "127.0.0.1:0\n  admin: 127.0.0.1:0",
+        "127.0.0.1:PROXY_PORT\n  admin: 127.0.0.1:ADMIN_PORT",
+    );
+    let mut p = Proc::start(
+        &yaml,
+        &["--log-format", "json"],
+        &[("RUST_LOG", "info")],
+        true,
+    )
+    .await;
+    let c = client();
+    for _ in 0..4 {
+        c.get(format!("{}/", p.proxy))
+            .header("x-user", "very-secret-user")
+            .header("x-request-id", "req-42")
+            .send()
+            .await
+            .unwrap();
+    }
+    p.signal("TERM");
+    let _ = p.child.wait();
+    let mut err = String::new();
+    p.child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let lines: Vec<Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+        .collect();
+    let rejected = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "rate limited")
+        .unwrap_or_else(|| panic!("no rejection logged:\n{err}"));
+    assert_eq!(rejected["level"], "INFO");
+    assert_eq!(rejected["fields"]["route"], "api");
+    assert_eq!(rejected["fields"]["limit"], "per-user");
+    assert_eq!(rejected["fields"]["status"], 429);
+    assert!(
+        rejected["fields"]["request_id"]
+            .as_str()
+            .unwrap()
+            .contains("req-42")
+    );
+    assert!(!err.contains("very-secret-user"), "the key is not logged");
+}
