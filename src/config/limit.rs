@@ -18,9 +18,10 @@ use super::types::{
 };
 use super::validate::{Checked, at, duration_or, items, keyword, name, positive_duration_or};
 
-/// Sliding-window state is computed in Lua, whose numbers are doubles: exact
-/// integers only below 2^53.
-const LUA_EXACT: u64 = 1 << 53;
+/// Global limits are computed in Lua, whose numbers are doubles (exact integers below 2^53);
+/// the scripts keep every parameter at most 2^50 so their sums stay exact (products beyond
+/// 2^53, as sliding_window's COUNT × PERIOD, go through an exact helper).
+const LUA_PARAM_MAX: u64 = crate::limit::redis::MAX_PARAM;
 
 pub(super) fn limit(
     raw: Spanned<RawLimit>,
@@ -209,16 +210,13 @@ pub(super) fn limit(
 /// Rates that are valid arithmetic but beyond what the limiters represent.
 fn check_precision(algorithm: AlgorithmKind, rate: Rate, rate_text: &Text) -> Checked<()> {
     let micros = rate.period_micros();
-    let beyond_doubles = rate
-        .count
-        .checked_mul(micros)
-        .is_none_or(|p| p >= LUA_EXACT);
+    let beyond_doubles = rate.count > LUA_PARAM_MAX || micros > LUA_PARAM_MAX;
     match algorithm {
-        AlgorithmKind::SlidingWindow if beyond_doubles => {
+        _ if beyond_doubles => {
             return Err(Invalid::new(
                 at(rate_text),
                 format!(
-                    "rate {rate} is too large for sliding_window: COUNT × PERIOD in microseconds must stay below 2^53 because the Redis script computes with doubles; use a smaller count or a shorter period"
+                    "rate {rate} is too large: COUNT and PERIOD in microseconds must stay at most 2^50 because the Redis scripts compute with doubles"
                 ),
             ));
         }

@@ -3,6 +3,7 @@
 
 pub mod process;
 pub mod redis;
+pub mod tls;
 pub mod upstream;
 
 use std::net::SocketAddr;
