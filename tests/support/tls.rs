@@ -49,6 +49,11 @@ impl Pki {
     }
 
     pub fn named(ca_name: &str) -> Self {
+        Self::with_names(ca_name, &["localhost", "127.0.0.1"])
+    }
+
+    /// A CA called `ca_name` and a server certificate for `names` (DNS names or IP addresses).
+    pub fn with_names(ca_name: &str, names: &[&str]) -> Self {
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca_params
             .distinguished_name
@@ -60,11 +65,11 @@ impl Pki {
             KeyUsagePurpose::DigitalSignature,
         ];
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let mut params = CertificateParams::new(names.clone()).unwrap();
         params
             .distinguished_name
-            .push(DnType::CommonName, "localhost");
+            .push(DnType::CommonName, names[0].as_str());
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &ca).unwrap();
         Self {

@@ -149,3 +149,84 @@ fn decide_inner(
     }
     (all, verdicts)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::algorithm::{FixedWindow, Gcra, Quota};
+
+    fn q(count: u64) -> Quota {
+        Quota {
+            count,
+            period: 1_000_000,
+            burst: count,
+        }
+    }
+
+    fn check<'a>(
+        store: &'a LocalStore,
+        alg: &'a Algorithm,
+        key: &'a [u8],
+        shadow: bool,
+    ) -> LocalCheck<'a> {
+        LocalCheck {
+            store,
+            algorithm: alg,
+            key,
+            cost: 1,
+            max_delay: 0,
+            shadow,
+        }
+    }
+
+    #[test]
+    fn a_rejection_by_one_limit_charges_none() {
+        let (a, b) = (LocalStore::new(), LocalStore::new());
+        let wide = Algorithm::FixedWindow(FixedWindow::new(q(10)));
+        let narrow = Algorithm::FixedWindow(FixedWindow::new(q(1)));
+        let checks = [
+            check(&a, &wide, b"k", false),
+            check(&b, &narrow, b"k", false),
+        ];
+        assert!(decide(&checks, 5).0);
+        for _ in 0..3 {
+            let (ok, v) = decide(&checks, 5);
+            assert!(!ok);
+            assert!(v[0].is_ok() && v[1].is_err());
+        }
+        assert_eq!(
+            a.peek(&wide, b"k", 5).remaining,
+            9,
+            "only the admitted request counted"
+        );
+    }
+
+    #[test]
+    fn a_shadow_rejection_blocks_nothing_and_charges_nothing_itself() {
+        let (a, b) = (LocalStore::new(), LocalStore::new());
+        let enforced = Algorithm::Gcra(Gcra::new(q(10)));
+        let shadow = Algorithm::FixedWindow(FixedWindow::new(q(1)));
+        let checks = [
+            check(&a, &enforced, b"k", false),
+            check(&b, &shadow, b"k", true),
+        ];
+        for _ in 0..3 {
+            assert!(decide(&checks, 7).0);
+        }
+        assert_eq!(a.peek(&enforced, b"k", 7).remaining, 7);
+        assert_eq!(b.peek(&shadow, b"k", 7).remaining, 0);
+    }
+
+    #[test]
+    fn check_charges_nothing_and_full_keys_are_swept() {
+        let a = LocalStore::new();
+        let alg = Algorithm::FixedWindow(FixedWindow::new(q(2)));
+        let c = [check(&a, &alg, b"k", false)];
+        assert!(super::check(&c, 10).0);
+        assert!(a.is_empty());
+        decide(&c, 10);
+        assert_eq!(a.sweep(999_999), 1);
+        // The window ends at 1_000_000: the state is full again and the key goes.
+        assert_eq!(a.sweep(1_000_000), 0);
+    }
+}
