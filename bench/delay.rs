@@ -173,6 +173,10 @@ async fn waiter_memory(up: &Upstream, w: usize, conns: usize) -> WaiterMemory {
     drop(warm);
     up.take();
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    if let Ok(secs) = std::env::var("TMP_HOLD") {
+        eprintln!("HOLD pid {}", g.child.id());
+        tokio::time::sleep(Duration::from_secs(secs.parse().unwrap())).await;
+    }
     let idle = g.mem();
 
     let clients: Vec<reqwest::Client> = (0..conns).map(|_| h2_client()).collect();

@@ -64,6 +64,73 @@ async fn https_upstream_trusted_through_upstream_ca_gets_sni_and_http2() {
 }
 
 #[tokio::test]
+async fn a_lost_http2_upstream_connection_is_replaced() {
+    let pki = Pki::new();
+    let dir = TempDir::new();
+    let files = pki.write(&dir.path);
+    let up = HttpsUpstream::start(&pki, H2_AND_H1).await;
+    let g = Gateway::start(&yaml(
+        &format!("  upstream_ca: {}\n", files.ca.display()),
+        &format!("    upstream: {}\n", up.url()),
+    ))
+    .await;
+    let c = client();
+    let v = json(c.get(g.url("/1")).send().await.unwrap()).await;
+    assert_eq!(
+        (v["version"].as_str(), v["connection"].as_u64()),
+        (Some("HTTP/2.0"), Some(1))
+    );
+    for round in 2..=3 {
+        up.kill_connections();
+        // Time for the gateway to see the close; a request already on its way when a
+        // connection dies is a 502, as with any proxy.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let r = c.get(g.url("/again")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v = json(r).await;
+        assert_eq!(v["version"], "HTTP/2.0", "{v}");
+        assert_eq!(v["connection"], round, "{v}");
+    }
+}
+
+#[tokio::test]
+async fn upgrades_to_an_http2_capable_https_upstream_go_over_http11() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let dir = TempDir::new();
+    let files = pki.write(&dir.path);
+    let up = HttpsUpstream::start(&pki, H2_AND_H1).await;
+    let g = Gateway::start(&yaml(
+        &format!("  upstream_ca: {}\n", files.ca.display()),
+        &format!("    upstream: {}\n", up.url()),
+    ))
+    .await;
+    let mut s = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    s.write_all(
+        b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    for msg in [&b"ping"[..], b"and pong"] {
+        s.write_all(msg).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg);
+    }
+    let seen = up.connections.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(
+        seen[0].alpn, None,
+        "an upgrade must not be offered h2: {seen:?}"
+    );
+    assert_eq!(seen[0].sni.as_deref(), Some("localhost"));
+}
+
+#[tokio::test]
 async fn without_preserve_host_http2_authority_is_the_upstreams() {
     let pki = Pki::new();
     let dir = TempDir::new();

@@ -4,7 +4,8 @@
 //! The upstream answers every request with JSON: `version` (of the request as it arrived),
 //! `alpn`, `sni` (the server name the client's hello carried), `authority` (the request URI's,
 //! which over HTTP/2 is `:authority`), `path`, `headers`, and `connection` (the 1-based number of
-//! the TLS connection it arrived on).
+//! the TLS connection it arrived on). `/upgrade` with an `Upgrade` header switches to a raw echo
+//! protocol (HTTP/1.1 only); `?ms=N` waits N ms first.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -132,6 +133,7 @@ pub struct HttpsUpstream {
     pub connections: Arc<std::sync::Mutex<Vec<Seen>>>,
     /// Handshakes that failed (e.g. the client did not trust the certificate).
     pub failed_handshakes: Arc<AtomicUsize>,
+    kill: tokio::sync::watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -149,12 +151,15 @@ impl HttpsUpstream {
         let connections = Arc::new(std::sync::Mutex::new(Vec::new()));
         let failed_handshakes = Arc::new(AtomicUsize::new(0));
         let (conns, failed) = (connections.clone(), failed_handshakes.clone());
+        let (kill, kill_rx) = tokio::sync::watch::channel(0u64);
         let task = tokio::spawn(async move {
             loop {
                 let Ok((tcp, _)) = listener.accept().await else {
                     continue;
                 };
                 let (acceptor, conns, failed) = (acceptor.clone(), conns.clone(), failed.clone());
+                let mut kill_rx = kill_rx.clone();
+                kill_rx.mark_unchanged();
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         failed.fetch_add(1, Ordering::SeqCst);
@@ -173,9 +178,13 @@ impl HttpsUpstream {
                         c.len()
                     };
                     let svc = service_fn(move |req| report(req, seen.clone(), number));
-                    let _ = auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), svc)
-                        .await;
+                    let builder = auto::Builder::new(TokioExecutor::new());
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
+                    tokio::select! {
+                        _ = conn => {}
+                        // Dropped without a GOAWAY: what a crashed or restarted upstream does.
+                        _ = kill_rx.changed() => {}
+                    }
                 });
             }
         });
@@ -183,8 +192,14 @@ impl HttpsUpstream {
             addr,
             connections,
             failed_handshakes,
+            kill,
             task,
         }
+    }
+
+    /// Closes every open connection at once (TCP close, no GOAWAY).
+    pub fn kill_connections(&self) {
+        self.kill.send_modify(|n| *n += 1);
     }
 
     /// `https://localhost:PORT`: the name the certificate is for, so SNI is sent.
@@ -198,10 +213,26 @@ impl HttpsUpstream {
 }
 
 async fn report(
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     seen: Seen,
     connection: usize,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    if req.uri().path() == "/upgrade" && req.headers().contains_key("upgrade") {
+        let on = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            if let Ok(io) = on.await {
+                let mut io = TokioIo::new(io);
+                let (mut r, mut w) = tokio::io::split(&mut io);
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            }
+        });
+        let mut r = Response::new(Full::new(Bytes::new()));
+        *r.status_mut() = hyper::StatusCode::SWITCHING_PROTOCOLS;
+        r.headers_mut().insert("upgrade", "echo".parse().unwrap());
+        r.headers_mut()
+            .insert("connection", "upgrade".parse().unwrap());
+        return Ok(r);
+    }
     if let Some(ms) = req
         .uri()
         .query()

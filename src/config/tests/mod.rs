@@ -2,6 +2,7 @@
 
 mod errors;
 mod limits;
+mod tls;
 mod valid;
 
 use std::path::Path;

@@ -221,8 +221,11 @@ impl Client {
         }
         let (sender, conn) = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
+            // Pings while idle too: a connection that died quietly (NAT, a restarted upstream
+            // behind a load balancer) is noticed and replaced before a request waits on it.
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
             .handshake(io)
             .await
             .map_err(|e| UpstreamError(e.into()))?;
