@@ -42,9 +42,7 @@ fn main() {
 async fn run() {
     let up = Upstream::start();
     println!("{}", header());
-    println!(
-        "accuracy: lateness_k = arrival_k - (arrival_0 + k*T) at the upstream, k = 1..N-1 (ms)"
-    );
+    println!("accuracy: lateness_k = arrival_k - (arrival_0 + k*T) at the upstream, k = 1..N-1");
     for (rate, t, n) in [
         ("1000/1s", Duration::from_millis(1), 2000),
         ("100/1s", Duration::from_millis(10), 300),
@@ -65,7 +63,10 @@ struct Accuracy {
     n: usize,
     conns: usize,
     ok: usize,
+    allowed: f64,
     delayed: f64,
+    busy_before: f64,
+    others: f64,
     /// Sorted, in microseconds.
     late_us: Vec<f64>,
 }
@@ -82,9 +83,10 @@ async fn accuracy(
     // Open every client connection, and the gateway's pooled connections to the upstream, before
     // the burst: the route `warm` has no limit.
     join_all(clients.iter().map(|c| get(c.clone(), g.url("/warm")))).await;
-    join_all((0..4).map(|_| get(clients[0].clone(), g.url("/warm")))).await;
+    let busy_before = wait_quiet(Duration::from_secs(10)).await;
     up.take();
 
+    let cpu = Cpu::start(g.child.id());
     let url = g.url("/paced");
     let tasks: Vec<_> = (0..n)
         .map(|i| tokio::spawn(get(clients[i % conns].clone(), url.clone())))
@@ -95,6 +97,7 @@ async fn accuracy(
             ok += 1;
         }
     }
+    let others = cpu.others();
     let mut at = up.take();
     at.sort();
     let late_us = match at.first() {
@@ -112,7 +115,6 @@ async fn accuracy(
         }
         None => Vec::new(),
     };
-    let delayed = g.counter("decision", "delayed").await;
     assert_eq!(at.len(), n, "the upstream saw {} of {n} requests", at.len());
     Accuracy {
         rate,
@@ -120,7 +122,10 @@ async fn accuracy(
         n,
         conns,
         ok,
-        delayed,
+        allowed: g.counter("decision", "allowed").await,
+        delayed: g.counter("decision", "delayed").await,
+        busy_before,
+        others,
         late_us,
     }
 }
@@ -128,28 +133,38 @@ async fn accuracy(
 impl std::fmt::Display for Accuracy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ms = |p: f64| percentile(&self.late_us, p) / 1000.0;
-        write!(
+        writeln!(
             f,
-            "  T={:>2} ms (rate {}, N={}, {} h2 conns): min {:+.3}  p50 {:+.3}  p99 {:+.3}  max {:+.3}  \
-             [{} x 200, delayed {}]",
+            "  T={:>2} ms  N={:<4} rate {:<7} {} h2 conns:  min {:+.3}  p50 {:+.3}  p99 {:+.3}  max {:+.3} ms",
             self.t.as_millis(),
-            self.rate,
             self.n,
+            self.rate,
             self.conns,
             ms(0.0),
             ms(0.50),
             ms(0.99),
             ms(1.0),
-            self.ok,
-            self.delayed,
-        )
+        )?;
+        write!(
+            f,
+            "           {}/{} got 200; {} admitted at once, {} delayed; CPUs {:.0}% busy before, \
+             other processes {:.0}% of the CPUs during the burst",
+            self.ok, self.n, self.allowed, self.delayed, self.busy_before, self.others
+        )?;
+        if self.allowed != 1.0 {
+            write!(
+                f,
+                "\n           ! {} admitted at once, not 1: the burst reached the gateway slower than one \
+                 request per T, the schedule restarted, and lateness from arrival_0 is not delay \
+                 accuracy. Rerun on a quieter machine.",
+                self.allowed
+            )?;
+        }
+        Ok(())
     }
 }
 
-struct WaiterMemory {
-    w: usize,
-    conns: usize,
-    idle: Mem,
+struct Round {
     connected: Mem,
     waiting: Mem,
     after: Mem,
@@ -157,13 +172,21 @@ struct WaiterMemory {
     decided_in: Duration,
     abandoned: f64,
     abandoned_in: Duration,
+}
+
+struct WaiterMemory {
+    w: usize,
+    conns: usize,
+    idle: Mem,
+    first: Round,
+    second: Round,
     forwarded: usize,
 }
 
 async fn waiter_memory(up: &Upstream, w: usize, conns: usize) -> WaiterMemory {
-    // T = 1 min and max_delay 7 d: all W fit (the last slot is W min ≈ 6.9 d away) and none
-    // comes due during the measurement.
-    let g = Gateway::start("mem", up.addr, "1/1m", "7d").await;
+    // T = 1 min and max_delay 30 d: both rounds fit (the last slot is 2·W min ≈ 13.9 d away;
+    // abandoned slots stay reserved) and no slot comes due during the measurement.
+    let g = Gateway::start("mem", up.addr, "1/1m", "30d").await;
     let warm = h2_client();
     for _ in 0..4 {
         join_all((0..8).map(|_| get(warm.clone(), g.url("/warm")))).await;
@@ -173,24 +196,32 @@ async fn waiter_memory(up: &Upstream, w: usize, conns: usize) -> WaiterMemory {
     drop(warm);
     up.take();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    if let Ok(secs) = std::env::var("TMP_HOLD") {
-        eprintln!("HOLD pid {}", g.child.id());
-        tokio::time::sleep(Duration::from_secs(secs.parse().unwrap())).await;
-    }
     let idle = g.mem();
+    let first = waiter_round(&g, w, conns, 1).await;
+    let second = waiter_round(&g, w, conns, 2).await;
+    WaiterMemory {
+        w,
+        conns,
+        idle,
+        first,
+        second,
+        forwarded: up.take().len(),
+    }
+}
 
+/// `conns` new HTTP/2 connections, W requests waiting over them, then every client leaves.
+async fn waiter_round(g: &Gateway, w: usize, conns: usize, nth: usize) -> Round {
     let clients: Vec<reqwest::Client> = (0..conns).map(|_| h2_client()).collect();
-    join_all(clients.iter().map(|c| get(c.clone(), g.url("/warm")))).await;
+    // One at a time, so that the gateway needs a single pooled connection to the upstream.
+    for c in &clients {
+        assert_eq!(get(c.clone(), g.url("/warm")).await, 200);
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let connected = g.mem();
 
     // hyper's HTTP/2 server allows 200 concurrent streams per connection by default.
     let per = w / conns;
-    assert_eq!(per * conns, w);
-    assert!(
-        per <= 200,
-        "more streams per connection than the server allows"
-    );
+    assert!(per * conns == w && per <= 200, "W must be conns × (≤ 200)");
     let started = Instant::now();
     let tasks: Vec<_> = clients
         .iter()
@@ -201,14 +232,15 @@ async fn waiter_memory(up: &Upstream, w: usize, conns: usize) -> WaiterMemory {
             )
         })
         .collect();
+    let want = (w * nth) as f64;
     let delayed = g
-        .wait_counter("decision", "delayed", w as f64, Duration::from_secs(30))
+        .wait_counter("decision", "delayed", want, Duration::from_secs(20))
         .await;
     let decided_in = started.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let waiting = g.mem();
 
-    // Every client leaves: the streams are reset and the connections closed.
+    // Every client leaves: its streams are reset and its connection closed.
     for t in &tasks {
         t.abort();
     }
@@ -218,63 +250,70 @@ async fn waiter_memory(up: &Upstream, w: usize, conns: usize) -> WaiterMemory {
     }
     let left = Instant::now();
     let abandoned = g
-        .wait_counter("abandoned", "", w as f64, Duration::from_secs(30))
+        .wait_counter("abandoned", "", want, Duration::from_secs(20))
         .await;
     let abandoned_in = left.elapsed();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let after = g.mem();
-    WaiterMemory {
-        w,
-        conns,
-        idle,
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    Round {
         connected,
         waiting,
-        after,
+        after: g.mem(),
         delayed,
         decided_in,
         abandoned,
         abandoned_in,
-        forwarded: up.take().len(),
     }
 }
 
 impl std::fmt::Display for WaiterMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let per = self.w / self.conns;
+        let (w, conns) = (self.w, self.conns);
+        let (a, b) = (&self.first, &self.second);
+        let mib = |bytes: f64| bytes / (1024.0 * 1024.0);
         writeln!(
             f,
-            "waiter memory: W={} waiting (rate 1/1m, max_delay 7d) over {} h2 conns x {per} streams",
-            self.w, self.conns
+            "waiter memory: W={w} waiting (rate 1/1m, max_delay 30d), {conns} h2 conns x {} streams; \
+             gateway's /proc/PID/status",
+            w / conns
         )?;
-        writeln!(f, "  idle after warm-up      {}", self.idle)?;
+        writeln!(f, "  idle after warm-up       {}", self.idle)?;
         writeln!(
             f,
-            "  + {} idle h2 conns      {}  = {:.1} KiB/conn",
-            self.conns,
-            self.connected,
-            self.connected.rss_delta(&self.idle) / 1024.0 / self.conns as f64
-        )?;
-        writeln!(
-            f,
-            "  + {} waiting         {}  delayed={} (all decided {:.2} s after sending began)",
-            self.w,
-            self.waiting,
-            self.delayed,
-            self.decided_in.as_secs_f64()
+            "  {conns} h2 conns open       {}  +{:.1} KiB per idle conn",
+            a.connected,
+            a.connected.rss_delta(&self.idle) / 1024.0 / conns as f64
         )?;
         writeln!(
             f,
-            "  per waiter: {:.0} bytes of RSS (h2 stream + request head + hyper's per-stream task \
-             with the proxy future + timer entry)",
-            self.waiting.rss_delta(&self.connected) / self.w as f64
+            "  W waiting                {}  delayed={} (all decided {:.2} s after sending began)",
+            a.waiting,
+            a.delayed,
+            a.decided_in.as_secs_f64()
+        )?;
+        writeln!(
+            f,
+            "    => {:.0} bytes of RSS per waiter (h2 stream state, request head, and hyper's task for \
+             the stream, which holds the whole request future; the timer is inside that future)",
+            a.waiting.rss_delta(&a.connected) / w as f64
+        )?;
+        writeln!(
+            f,
+            "  all left                 {}  abandoned={} ({:.2} s after the clients closed)",
+            a.after,
+            a.abandoned,
+            a.abandoned_in.as_secs_f64()
+        )?;
+        writeln!(
+            f,
+            "  round 2: W waiting       {}  delayed={} total; {:+.1} MiB vs round 1 waiting",
+            b.waiting,
+            b.delayed,
+            mib(b.waiting.rss_delta(&a.waiting))
         )?;
         write!(
             f,
-            "  all left: abandoned={} (in {:.2} s), forwarded={}; after  {}",
-            self.abandoned,
-            self.abandoned_in.as_secs_f64(),
-            self.forwarded,
-            self.after
+            "  round 2: all left        {}  abandoned={} total; forwarded to the upstream: {}",
+            b.after, b.abandoned, self.forwarded
         )
     }
 }
@@ -575,6 +614,79 @@ async fn get(c: reqwest::Client, url: String) -> u16 {
 
 // ---------------------------------------------------------------------------------------------
 // Report helpers
+
+/// Busy and total jiffies of all CPUs, from /proc/stat.
+fn cpu_jiffies() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    if v.len() < 8 {
+        return (0, 0);
+    }
+    // user nice system idle iowait irq softirq steal
+    let idle = v[3] + v[4];
+    let total: u64 = v.iter().sum();
+    (total - idle, total)
+}
+
+/// utime + stime of a process, in jiffies.
+fn proc_jiffies(pid: &str) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after_comm = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after_comm.split_whitespace().collect();
+    // Fields 14 and 15 of stat(5); `f` starts at field 3.
+    let get = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    get(11) + get(12)
+}
+
+/// Waits (at most `limit`) until the CPUs are under 20 % busy over half a second, so that the
+/// timing runs are not made while someone compiles; returns the last busy percentage seen.
+async fn wait_quiet(limit: Duration) -> f64 {
+    let deadline = Instant::now() + limit;
+    loop {
+        let (b0, t0) = cpu_jiffies();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (b1, t1) = cpu_jiffies();
+        let busy = 100.0 * (b1 - b0) as f64 / (t1 - t0).max(1) as f64;
+        if busy < 20.0 || Instant::now() >= deadline {
+            return busy;
+        }
+    }
+}
+
+/// CPU used by processes other than this one and the gateway, between `start` and `others`.
+struct Cpu {
+    gateway: String,
+    all: (u64, u64),
+    ours: u64,
+}
+
+impl Cpu {
+    fn start(gateway_pid: u32) -> Self {
+        let gateway = gateway_pid.to_string();
+        let ours = proc_jiffies("self") + proc_jiffies(&gateway);
+        Self {
+            all: cpu_jiffies(),
+            ours,
+            gateway,
+        }
+    }
+
+    /// Percentage of all CPUs' time.
+    fn others(&self) -> f64 {
+        let (b, t) = cpu_jiffies();
+        let ours = proc_jiffies("self") + proc_jiffies(&self.gateway) - self.ours;
+        let busy = (b - self.all.0).saturating_sub(ours);
+        100.0 * busy as f64 / (t - self.all.1).max(1) as f64
+    }
+}
 
 /// Nearest-rank percentile of sorted values (p in 0..=1); NaN when empty.
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -167,3 +167,42 @@ async fn json_logs_name_route_limit_and_status_of_a_rejection_but_never_the_key(
     );
     assert!(!err.contains("very-secret-user"), "the key is not logged");
 }
+
+#[tokio::test]
+async fn log_keys_puts_the_key_in_rejection_lines_when_configured() {
+    let up = Upstream::start().await;
+    let yaml = cfg(&up.url(), "  log_keys: true\n").replace(
+        "127.0.0.1:0\n  admin: 127.0.0.1:0",
+        "127.0.0.1:PROXY_PORT\n  admin: 127.0.0.1:ADMIN_PORT",
+    );
+    let mut p = Proc::start(
+        &yaml,
+        &["--log-format", "json"],
+        &[("RUST_LOG", "info")],
+        true,
+    )
+    .await;
+    let c = client();
+    for _ in 0..4 {
+        c.get(format!("{}/", p.proxy))
+            .header("x-user", "ann")
+            .send()
+            .await
+            .unwrap();
+    }
+    p.signal("TERM");
+    let _ = p.child.wait();
+    let mut err = String::new();
+    p.child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let line = err
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|l| l["fields"]["message"] == "rate limited")
+        .unwrap();
+    assert_eq!(line["fields"]["key"], "ann");
+}

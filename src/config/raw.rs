@@ -37,6 +37,7 @@ pub(super) struct RawServer {
     pub admin_token: Option<Text>,
     pub tls: Option<Spanned<RawTls>>,
     pub upstream_ca: Option<Text>,
+    pub log_keys: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -48,6 +48,9 @@ pub struct ServerConfig {
     pub tls: Option<ListenerTls>,
     /// Extra trust anchors for `https://` upstreams, on top of the system roots.
     pub upstream_ca: Option<UpstreamCa>,
+    /// Put the limit key (client IP, user id...) in rejection log lines. Off by default:
+    /// keys are personal data and logs travel far.
+    pub log_keys: bool,
 }
 
 /// `server.tls`: the proxy listener's certificate chain and key (PEM files; relative paths are
@@ -95,6 +98,7 @@ impl Default for ServerConfig {
             admin_token: None,
             tls: None,
             upstream_ca: None,
+            log_keys: false,
         }
     }
 }

@@ -94,6 +94,7 @@ fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
         admin_token,
         tls,
         upstream_ca,
+        log_keys: raw.log_keys.unwrap_or(defaults.log_keys),
     })
 }
 

@@ -135,7 +135,22 @@ impl Proxy {
         let info = match verdict {
             Verdict::Reject { limit, rejection } => {
                 let l = &limits.limits[limit];
-                tracing::info!(request_id = id.to_str().unwrap_or("-"), route = %route.name, limit = %l.name, status = 429, "rate limited");
+                let request_id = id.to_str().unwrap_or("-");
+                if rt.config.server.log_keys {
+                    let parts = RequestParts {
+                        method: req.method(),
+                        uri: req.uri(),
+                        headers: req.headers(),
+                        client_ip: client,
+                        route: &route.name,
+                    };
+                    let mut key = Vec::new();
+                    l.key.build(&parts, &mut key);
+                    let key = String::from_utf8_lossy(&key);
+                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");
+                } else {
+                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
+                }
                 return response::too_many_requests(&route.name, l, &rejection);
             }
             Verdict::Unavailable { limit } => {
