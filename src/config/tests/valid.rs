@@ -162,6 +162,7 @@ fn defaults_are_applied() {
             admin_token: Some("s3cret".into()),
             tls: None,
             upstream_ca: None,
+            log_keys: false,
         }
     );
     assert_eq!(
