@@ -289,11 +289,12 @@ cpu_ticks() {
 }
 
 # core_sample: "busy0 total0 busy1 total1 work" for PROXY_CPU and LOAD_CPU from
-# /proc/stat; busy = not idle, work = user + nice + system time of both cores
-# (what processes ran; irq/softirq time left out).
+# /proc/stat; busy = not idle, work = user + nice + system + irq + softirq of
+# both cores (tick accounting charges a tick spent in softirq to the task it
+# interrupted as well, so softirq belongs with the tasks' own times).
 core_sample() {
     awk -v a="cpu$PROXY_CPU" -v b="cpu$LOAD_CPU" '
-        $1 == a || $1 == b { tot = 0; for (i = 2; i <= 9; i++) tot += $i; r[$1] = (tot - $5 - $6) " " tot; w += $2 + $3 + $4 }
+        $1 == a || $1 == b { tot = 0; for (i = 2; i <= 9; i++) tot += $i; r[$1] = (tot - $5 - $6) " " tot; w += $2 + $3 + $4 + $7 + $8 }
         END { print r[a], r[b], w }' /proc/stat
 }
 

@@ -8,7 +8,7 @@
 
 mod client;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use http::header::HOST;
@@ -23,14 +23,12 @@ use crate::runtime::{Route, Runtime};
 pub async fn forward(
     proxy: &Proxy,
     route: &Route,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     peer: SocketAddr,
-    _client_ip: IpAddr,
     rt: &Runtime,
 ) -> Response<Body> {
     let upstream = route.pick_upstream();
     let upgrade = headers::is_upgrade(req.version(), req.headers());
-    let mut req = req;
     // Taken before the request is consumed: the client side of a protocol switch.
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();

@@ -175,7 +175,7 @@ impl Proxy {
                 info
             }
         };
-        let mut resp = forward::forward(self, route, req, peer, client, rt).await;
+        let mut resp = forward::forward(self, route, req, peer, rt).await;
         if let (true, Some(info)) = (route.headers, info) {
             response::set_ratelimit(resp.headers_mut(), &limits.limits[info.limit], &info);
         }
