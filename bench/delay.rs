@@ -129,7 +129,7 @@ async fn accuracy_run(
     // Open every client connection, and the gateway's pooled connections to the upstream, before
     // the burst: the route `warm` has no limit.
     join_all(clients.iter().map(|c| get(c.clone(), g.url("/warm")))).await;
-    let busy_before = wait_quiet(Duration::from_secs(10)).await;
+    let busy_before = wait_quiet(Duration::from_secs(3)).await;
     up.take();
 
     // Sending 2000 requests costs the client tens of milliseconds of CPU on the same cores as
@@ -237,14 +237,18 @@ impl std::fmt::Display for Accuracy {
             summary(&settled)
         )?;
         let max = |g: fn(&Run) -> f64| self.runs.iter().map(g).fold(0.0, f64::max);
+        let each = |g: fn(&Run) -> f64| {
+            let v: Vec<String> = self.runs.iter().map(|r| g(r).to_string()).collect();
+            v.join("/")
+        };
         write!(
             f,
-            "    {}/{} got 200; admitted at once per run: {:?}; delayed per run: {:?}; CPUs <= {:.0}% \
-             busy before, other processes <= {:.0}% of the CPUs during a run",
+            "    {}/{} got 200; per run {} admitted at once, {} delayed; CPUs <= {:.0}% busy \
+             before, other processes <= {:.0}% of the CPUs during a run",
             self.runs.iter().map(|r| r.ok).sum::<usize>(),
             self.runs.len() * (self.n + 1),
-            self.runs.iter().map(|r| r.allowed).collect::<Vec<_>>(),
-            self.runs.iter().map(|r| r.delayed).collect::<Vec<_>>(),
+            each(|r| r.allowed),
+            each(|r| r.delayed),
             max(|r| r.busy_before),
             max(|r| r.others),
         )?;
@@ -780,7 +784,7 @@ impl Cpu {
     /// Percentage of all CPUs' time.
     fn others(&self) -> f64 {
         let (b, t) = cpu_jiffies();
-        let ours = proc_jiffies("self") + proc_jiffies(&self.gateway) - self.ours;
+        let ours = (proc_jiffies("self") + proc_jiffies(&self.gateway)).saturating_sub(self.ours);
         let busy = (b - self.all.0).saturating_sub(ours);
         100.0 * busy as f64 / (t - self.all.1).max(1) as f64
     }

@@ -276,7 +276,10 @@ impl LimitSet {
             }
         }
         if spans.iter().any(|s| self.limits[s.0].is_global()) {
-            return self.evaluate_global(&keys, &spans, cx, started).await;
+            // Boxed: the Redis path's state is large (about 13 KB of fred futures); inline, it
+            // would be part of every request's future, local-only ones and waiters included.
+            // One allocation per global decision is small next to its round trip.
+            return Box::pin(self.evaluate_global(&keys, &spans, cx, started)).await;
         }
         // Eventual limits first, checked only: a rejection there needs nothing charged.
         let mut results = self.check_eventual(&keys, &spans, cx);

@@ -141,7 +141,9 @@ impl Client {
             let mut sender = match self.state(&authority) {
                 H2State::Ready(sender) => sender,
                 H2State::Http1 { .. } => return self.pooled(req).await,
-                H2State::Unknown => match self.dial(&authority).await? {
+                // Boxed: the dial's state (TCP + TLS handshake) would otherwise be part of every
+                // in-flight request's future, waiting ones included.
+                H2State::Unknown => match Box::pin(self.dial(&authority)).await? {
                     Some(sender) => sender,
                     None => return self.pooled(req).await,
                 },
