@@ -89,7 +89,8 @@ fn store(c: &mut Criterion) {
         let mut now: Micros = 1;
         group.bench_function(format!("gcra_keys_{n}"), |b| {
             b.iter(|| {
-                // Multiplicative scramble over the key index: a full-period walk for any n.
+                // A full-period walk with a large stride: every key equally often, no locality
+                // (the worst case: each decision a cache and TLB miss once n outgrows the caches).
                 i = (i + 7_919) % n;
                 now += 1;
                 let check = [LocalCheck {
@@ -103,6 +104,27 @@ fn store(c: &mut Criterion) {
                 black_box(local::decide(black_box(&check), now).0)
             });
         });
+        if n == 1_000_000 {
+            // Skewed like real traffic: 90 % of decisions go to 1 % of the keys.
+            let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+            group.bench_function("gcra_keys_1000000_skewed", |b| {
+                b.iter(|| {
+                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    let r = (x >> 33) as usize;
+                    let k = if r % 10 < 9 { r % (n / 100) } else { r % n };
+                    now += 1;
+                    let check = [LocalCheck {
+                        store: &store,
+                        algorithm: &alg,
+                        key: &keys[k],
+                        cost: 1,
+                        max_delay: 0,
+                        shadow: false,
+                    }];
+                    black_box(local::decide(black_box(&check), now).0)
+                });
+            });
+        }
     }
     group.finish();
 }

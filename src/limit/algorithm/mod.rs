@@ -70,7 +70,9 @@ pub enum State {
     Gcra(GcraState),
     FixedWindow(WindowState),
     SlidingWindow(SlidingState),
-    SlidingLog(LogState),
+    /// Boxed: a log is rare and large; inline it would make every key's state (in every
+    /// store entry, for every algorithm) as big as a `VecDeque`.
+    SlidingLog(Box<LogState>),
 }
 
 /// Runs `$body` with the algorithm and a reference to its own kind of state. A key holding
@@ -128,7 +130,7 @@ impl Algorithm {
             Algorithm::Gcra(a) => State::Gcra(a.new_state()),
             Algorithm::FixedWindow(a) => State::FixedWindow(a.new_state()),
             Algorithm::SlidingWindow(a) => State::SlidingWindow(a.new_state()),
-            Algorithm::SlidingLog(a) => State::SlidingLog(a.new_state()),
+            Algorithm::SlidingLog(a) => State::SlidingLog(Box::new(a.new_state())),
         }
     }
 
@@ -169,7 +171,7 @@ impl Algorithm {
             }
             Algorithm::SlidingLog(a) => {
                 if !matches!(state, State::SlidingLog(_)) {
-                    *state = State::SlidingLog(a.new_state());
+                    *state = State::SlidingLog(Box::new(a.new_state()));
                 }
                 if let State::SlidingLog(s) = state {
                     a.commit(s, now, cost);
@@ -326,10 +328,10 @@ mod tests {
                 State::Gcra(GcraState { tat: a }),
                 State::FixedWindow(WindowState { start: a, count: b }),
                 State::SlidingWindow(SlidingState { start: a, curr: b, prev: c }),
-                State::SlidingLog(LogState {
+                State::SlidingLog(Box::new(LogState {
                     entries: [(a.min(b), c), (a.max(b), b)].into(),
                     sum: c,
-                }),
+                })),
             ];
             for alg in &algs {
                 for state in &states {

@@ -136,14 +136,9 @@ fn decide_inner(
         guards.push(guard);
     }
     if all && charge {
-        for (((c, &hash), guard), v) in checks
-            .iter()
-            .zip(&hashes)
-            .zip(guards.iter_mut())
-            .zip(&verdicts)
-        {
-            if v.is_ok() {
-                commit(guard, hash, c, now);
+        for (i, guard) in guards.iter_mut().enumerate() {
+            if verdicts[i].is_ok() {
+                commit(guard, hashes[i], &checks[i], now);
             }
         }
     }

@@ -10,36 +10,34 @@ use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
+use smallvec::SmallVec;
 
 use crate::limit::algorithm::Micros;
 
 /// Power of two; enough that two cores (or twenty) rarely contend on one shard.
 pub const SHARDS: usize = 64;
 
+/// Keys of up to 16 bytes (an IPv4 address, a short id) live inside the entry, so their lookup
+/// touches the table and nothing behind a pointer.
+type KeyBuf = SmallVec<[u8; 16]>;
+
 struct Entry<V> {
-    hash: u64,
-    key: Box<[u8]>,
+    key: KeyBuf,
     value: V,
     expires_at: Micros,
 }
 
 pub struct Shard<V> {
     table: HashTable<Entry<V>>,
-}
-
-impl<V> Default for Shard<V> {
-    fn default() -> Self {
-        Self {
-            table: HashTable::new(),
-        }
-    }
+    /// The same seed as every other shard's: rehashing on growth needs it.
+    hasher: foldhash::fast::RandomState,
 }
 
 impl<V> Shard<V> {
     /// The live value of `key` at `now`.
     pub fn get(&self, hash: u64, key: &[u8], now: Micros) -> Option<&V> {
         self.table
-            .find(hash, |e| e.hash == hash && *e.key == *key)
+            .find(hash, |e| *e.key == *key)
             .filter(|e| e.expires_at > now)
             .map(|e| &e.value)
     }
@@ -54,10 +52,7 @@ impl<V> Shard<V> {
         init: impl FnOnce() -> V,
         f: impl FnOnce(&mut V, bool) -> Micros,
     ) {
-        match self
-            .table
-            .find_mut(hash, |e| e.hash == hash && *e.key == *key)
-        {
+        match self.table.find_mut(hash, |e| *e.key == *key) {
             Some(e) => {
                 let live = e.expires_at > now;
                 if !live {
@@ -68,15 +63,15 @@ impl<V> Shard<V> {
             None => {
                 let mut value = init();
                 let expires_at = f(&mut value, false);
+                let hasher = &self.hasher;
                 self.table.insert_unique(
                     hash,
                     Entry {
-                        hash,
-                        key: key.into(),
+                        key: KeyBuf::from_slice(key),
                         value,
                         expires_at,
                     },
-                    |e| e.hash,
+                    |e| hasher.hash_one(&e.key[..]),
                 );
             }
         }
@@ -94,11 +89,17 @@ pub struct Sharded<V> {
 
 impl<V> Default for Sharded<V> {
     fn default() -> Self {
+        let hasher = foldhash::fast::RandomState::default();
         Self {
             shards: (0..SHARDS)
-                .map(|_| Padded(Mutex::new(Shard::default())))
+                .map(|_| {
+                    Padded(Mutex::new(Shard {
+                        table: HashTable::new(),
+                        hasher: hasher.clone(),
+                    }))
+                })
                 .collect(),
-            hasher: foldhash::fast::RandomState::default(),
+            hasher,
         }
     }
 }
