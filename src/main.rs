@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+
 use tollgate::app::{App, Options};
 
 #[derive(Parser)]
@@ -91,10 +92,7 @@ fn init_logging(format: LogFormat) {
 
 fn run(args: RunArgs) -> ExitCode {
     init_logging(args.log_format);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime_builder().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tollgate: cannot start the runtime: {e}");
@@ -107,6 +105,23 @@ fn run(args: RunArgs) -> ExitCode {
             eprintln!("tollgate: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// One worker per core the process may run on (`taskset` and cgroup limits honoured), or
+/// `TOKIO_WORKER_THREADS`. With a single core, a current-thread runtime: it has no work-stealing
+/// queues or cross-thread wakeups to pay for, and nothing could run in parallel anyway.
+fn runtime_builder() -> tokio::runtime::Builder {
+    let workers = std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if workers <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(workers);
+        b
     }
 }
 
