@@ -116,3 +116,55 @@ async fn sigterm_finishes_in_flight_requests_and_exits_0() {
 async fn sigint_finishes_in_flight_requests_and_exits_0() {
     drains_on("INT").await;
 }
+
+#[tokio::test]
+async fn sigterm_lets_a_delayed_request_wait_for_its_slot_and_finish() {
+    let up = Upstream::start().await;
+    let yaml = format!(
+        "server:
+  listen: 127.0.0.1:PROXY_PORT
+  admin: 127.0.0.1:ADMIN_PORT
+  grace_period: 5s
+routes:
+  - name: api
+    upstream: {}
+    limits:
+      - name: paced
+        key: [literal:all]
+        rate: 2/1s
+        burst: 1
+        on_limit: delay
+        max_delay: 2s
+",
+        up.url()
+    );
+    let mut p = Proc::start(&yaml, &[], &[], false).await;
+    let c = client();
+    assert_eq!(
+        c.get(format!("{}/", p.proxy))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    // The next slot is 500 ms away: this request waits for it.
+    let waiting = tokio::spawn({
+        let (c, url) = (c.clone(), format!("{}/", p.proxy));
+        async move { c.get(url).send().await.map(|r| r.status().as_u16()) }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    p.signal("TERM");
+    assert_eq!(
+        waiting.await.unwrap().unwrap(),
+        200,
+        "the delayed request was forwarded"
+    );
+    assert_eq!(up.hits(), 2);
+    let t = Instant::now();
+    while p.child.try_wait().unwrap().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(5), "did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(p.child.try_wait().unwrap().unwrap().success());
+}
