@@ -3,19 +3,25 @@
 
 use std::net::IpAddr;
 
-use http::header::{CONNECTION, HOST};
+use http::header::{
+    CONNECTION, HOST, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING,
+    UPGRADE,
+};
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// Connection-specific fields that never cross a proxy, besides those `Connection` names.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
+/// Typed names: a `&str` name is parsed again on every lookup, and this runs twice per request.
+static HOP_BY_HOP: [HeaderName; 9] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    TE,
+    TRAILER,
+    TRANSFER_ENCODING,
+    UPGRADE,
+    PROXY_AUTHORIZATION,
+    // Only meaningful on responses from a proxy, but hop-by-hop all the same.
+    PROXY_AUTHENTICATE,
 ];
 
 static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -25,25 +31,25 @@ static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 /// Removes the hop-by-hop fields, including every field the `Connection` header names.
 /// `keep_upgrade`: an upgrade being passed through keeps `Connection: upgrade` and `Upgrade`.
 pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
-    let named: Vec<HeaderName> = h
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .filter(|n| !(keep_upgrade && n == "upgrade"))
-        .collect();
-    for n in named {
-        h.remove(n);
+    if h.contains_key(CONNECTION) {
+        let named: Vec<HeaderName> = h
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .filter(|n| !(keep_upgrade && *n == UPGRADE))
+            .collect();
+        for n in named {
+            h.remove(n);
+        }
     }
-    for n in HOP_BY_HOP {
-        if keep_upgrade && (n == "connection" || n == "upgrade") {
+    for n in &HOP_BY_HOP {
+        if keep_upgrade && (*n == CONNECTION || *n == UPGRADE) {
             continue;
         }
         h.remove(n);
     }
-    // "proxy-authenticate" is hop-by-hop too but only meaningful on responses from a proxy.
-    h.remove("proxy-authenticate");
     if keep_upgrade {
         h.insert(CONNECTION, HeaderValue::from_static("upgrade"));
     }
