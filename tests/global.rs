@@ -560,3 +560,53 @@ async fn delayed_requests_reserve_slots_in_redis_across_instances() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_concurrent_flood_on_one_key_asks_redis_about_once_per_emission_interval() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    // T = 50 ms: the key comes free 20 times a second; 32 clients hammer it meanwhile.
+    let limits = "      - name: hot\n        key: [literal:hot]\n        algorithm: gcra\n        rate: 20/1s\n        burst: 5\n";
+    let yaml = cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route("herd", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    let stop = Instant::now() + Duration::from_millis(1500);
+    let clients = (0..32).map(|_| {
+        let url = g.url("/");
+        async move {
+            let c = client();
+            let (mut ok, mut limited) = (0u64, 0u64);
+            while Instant::now() < stop {
+                match c.get(&url).send().await.unwrap().status().as_u16() {
+                    200 => ok += 1,
+                    429 => limited += 1,
+                    s => panic!("status {s}"),
+                }
+            }
+            (ok, limited)
+        }
+    });
+    let (ok, limited) = join_all(clients)
+        .await
+        .into_iter()
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let m = g.metrics().await;
+    let redis_calls = metric(
+        &m,
+        "tollgate_limiter_tier_decisions_total{scope=\"global\",tier=\"redis\"}",
+    )
+    .unwrap();
+    // At most burst + 20/s × 1.5 s admitted (+1 for the interval in progress).
+    assert!(ok <= 5 + 30 + 1, "admitted {ok}");
+    let per_rejection = redis_calls / limited as f64;
+    println!(
+        "herd: {ok} admitted, {limited} rejected, {redis_calls} redis calls ({per_rejection:.4} per rejection)"
+    );
+    assert!(
+        per_rejection < 0.05,
+        "{redis_calls} Redis calls for {limited} rejections"
+    );
+}

@@ -38,7 +38,7 @@ use algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, Rejection, SlidingLog, SlidingWindow, Snapshot,
 };
 use eventual::EventualStore;
-use local::deny::DenyCache;
+use local::deny::{DenyCache, Probe};
 use local::{LocalCheck, LocalStore, LocalVerdict};
 use redis::{GlobalLimit, LimitVerdict, RedisStore};
 
@@ -188,6 +188,10 @@ pub enum Verdict {
 pub struct Context<'a> {
     /// Local monotonic time (global limits use Redis's clock inside the script).
     pub now: Micros,
+    /// For the time after a wait (a request following another's Redis call for a hot key).
+    pub clock: &'a dyn clock::Clock,
+    /// The longest a request waits for another's Redis call (the Redis timeout).
+    pub probe_wait: Duration,
     pub redis: Option<&'a RedisStore>,
     pub on_error: OnError,
     /// `false` when the route's waiter cap is full: a request that would wait is rejected.
@@ -369,23 +373,44 @@ impl LimitSet {
     ) -> Verdict {
         let delay_of = |l: &Limit| if cx.allow_delay { l.max_delay } else { 0 };
         let mut results: Results = SmallVec::new();
-        // 1. The in-process tier: what Redis is known to reject right now.
+        // 1. The in-process tier: what Redis is known to reject right now. For a hot key that
+        //    just came free, one request asks Redis and the others wait for its answer.
         let mut to_redis: SmallVec<[Span; 4]> = SmallVec::new();
+        let mut probes = SmallVec::<[_; 2]>::new();
+        let mut now = cx.now;
         for &(i, s, e) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
             let l = &self.limits[i];
-            let known = if self.tier_enabled {
-                l.tier.check(&keys[s..e], cx.now, delay_of(l))
-            } else {
-                None
-            };
-            match known {
-                Some(r) if !l.shadow => {
-                    self.tiers.in_process.inc();
-                    self.tiers.in_process_duration.observe(started.elapsed());
-                    return self.conclude(&[(i, Err(r))]);
+            let key = &keys[s..e];
+            let mut waited = false;
+            loop {
+                let known = if self.tier_enabled {
+                    l.tier.check(key, now, delay_of(l))
+                } else {
+                    None
+                };
+                match known {
+                    Some(r) if !l.shadow => {
+                        self.tiers.in_process.inc();
+                        self.tiers.in_process_duration.observe(started.elapsed());
+                        return self.conclude(&[(i, Err(r))]);
+                    }
+                    Some(r) => results.push((i, Err(r))),
+                    None if !self.tier_enabled || waited => to_redis.push((i, s, e)),
+                    None => match l.tier.begin(key, now) {
+                        Probe::Free => to_redis.push((i, s, e)),
+                        Probe::Lead(guard) => {
+                            probes.push(guard);
+                            to_redis.push((i, s, e));
+                        }
+                        Probe::Follow => {
+                            l.tier.wait_probe(key, now, cx.probe_wait).await;
+                            now = cx.clock.now();
+                            waited = true;
+                            continue;
+                        }
+                    },
                 }
-                Some(r) => results.push((i, Err(r))),
-                None => to_redis.push((i, s, e)),
+                break;
             }
         }
         // 2. Local and eventual limits, checked but not charged.
@@ -443,7 +468,8 @@ impl LimitSet {
             None => Err(redis::RedisError::Unavailable),
         };
         self.tiers.global_duration.observe(started.elapsed());
-        let sent = cx.now;
+        // No later than the moment the script was sent: what the tier learns is anchored here.
+        let sent = now;
         match answer {
             Ok((main, shadow)) => {
                 self.tiers.redis.inc();

@@ -125,6 +125,12 @@ impl Proxy {
             };
             let cx = Context {
                 now: self.clock.now(),
+                clock: &*self.clock,
+                probe_wait: rt
+                    .config
+                    .redis
+                    .as_ref()
+                    .map_or(std::time::Duration::ZERO, |r| r.timeout),
                 redis: rt.redis.as_ref(),
                 on_error: rt.on_error,
                 allow_delay,

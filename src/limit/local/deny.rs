@@ -28,11 +28,65 @@ struct Deny {
     /// When the key is back to full, for the `RateLimit` fields of a local answer.
     reset_at: Micros,
     remaining: u64,
+    /// A request is asking Redis about this key now (see [`DenyCache::begin`]).
+    probing: bool,
 }
+
+/// How long an entry outlives its `admit_at`: the window in which concurrent requests for a
+/// key that just became admissible again are funnelled through one Redis call.
+const PROBE_WINDOW: Micros = 1_000_000;
 
 #[derive(Default)]
 pub struct DenyCache {
     map: Sharded<Deny>,
+    /// Wakes requests waiting for a probe of any key to finish; they re-check their own.
+    probe_done: tokio::sync::Notify,
+}
+
+/// What a request that the tier did not reject does next.
+pub enum Probe<'a> {
+    /// No recent answer for this key: ask Redis, no coordination.
+    Free,
+    /// This request asks Redis for the key; the others wait until the guard drops.
+    Lead(ProbeGuard<'a>),
+    /// Another request is asking Redis for this key right now: wait for it, then re-check.
+    Follow,
+}
+
+/// Ends a probe when dropped (answer learned, error, or the request abandoned).
+pub struct ProbeGuard<'a> {
+    cache: &'a DenyCache,
+    key: Vec<u8>,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        let hash = self.cache.map.hash(&self.key);
+        {
+            let mut shard = self.cache.map.lock(hash);
+            if shard.get(hash, &self.key, 0).is_none() {
+                drop(shard);
+                self.cache.probe_done.notify_waiters();
+                return;
+            }
+            shard.update(
+                hash,
+                &self.key,
+                0,
+                || Deny {
+                    admit_at: 0,
+                    reset_at: 0,
+                    remaining: 0,
+                    probing: false,
+                },
+                |d, _| {
+                    d.probing = false;
+                    d.admit_at + PROBE_WINDOW
+                },
+            );
+        }
+        self.cache.probe_done.notify_waiters();
+    }
 }
 
 impl std::fmt::Debug for DenyCache {
@@ -57,6 +111,51 @@ impl DenyCache {
         })
     }
 
+    /// For a key with a recent answer whose `admit_at` has passed (a hot key coming free),
+    /// elects one request to ask Redis; the others follow. Without it every request in flight
+    /// for a flooded key reaches Redis each time the key comes free (a herd per emission
+    /// interval, one call per client connection).
+    pub fn begin(&self, key: &[u8], now: Micros) -> Probe<'_> {
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        let Some(d) = shard.get(hash, key, now).copied() else {
+            return Probe::Free;
+        };
+        if d.probing {
+            return Probe::Follow;
+        }
+        shard.update(
+            hash,
+            key,
+            now,
+            || d,
+            |d, _| {
+                d.probing = true;
+                d.admit_at + PROBE_WINDOW
+            },
+        );
+        Probe::Lead(ProbeGuard {
+            cache: self,
+            key: key.to_vec(),
+        })
+    }
+
+    /// Waits until a probe finishes (any key; the caller re-checks its own), at most `limit`.
+    pub async fn wait_probe(&self, key: &[u8], now: Micros, limit: std::time::Duration) {
+        let done = self.probe_done.notified();
+        tokio::pin!(done);
+        done.as_mut().enable();
+        let hash = self.map.hash(key);
+        let probing = self
+            .map
+            .lock(hash)
+            .get(hash, key, now)
+            .is_some_and(|d| d.probing);
+        if probing {
+            let _ = tokio::time::timeout(limit, done).await;
+        }
+    }
+
     /// Learns from Redis rejecting `key`'s request in a script sent at local time `sent`.
     pub fn rejected(&self, key: &[u8], sent: Micros, r: &Rejection, max_delay: Micros) {
         self.record(
@@ -66,6 +165,7 @@ impl DenyCache {
                 admit_at: sent + r.retry_after,
                 reset_at: sent + r.reset_after.max(r.retry_after),
                 remaining: r.remaining,
+                probing: false,
             },
             max_delay,
         );
@@ -100,6 +200,7 @@ impl DenyCache {
                     admit_at,
                     reset_at: sent + s.reset_after,
                     remaining: s.remaining,
+                    probing: false,
                 },
                 max_delay,
             );
@@ -120,11 +221,14 @@ impl DenyCache {
             || d,
             |cur, live| {
                 // Answers can arrive out of order; the later admit_at is the better-informed
-                // one (state only moves towards more consumed).
+                // one (state only moves towards more consumed). A probe in flight stays marked.
                 if !live || d.admit_at >= cur.admit_at {
-                    *cur = d;
+                    *cur = Deny {
+                        probing: live && cur.probing,
+                        ..d
+                    };
                 }
-                cur.admit_at.saturating_sub(max_delay)
+                cur.admit_at + PROBE_WINDOW
             },
         );
     }
