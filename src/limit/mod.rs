@@ -381,7 +381,10 @@ impl LimitSet {
         for &(i, s, e) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
             let l = &self.limits[i];
             let key = &keys[s..e];
-            let mut waited = false;
+            // Following other requests' probes is bounded in total, not per wake: a leader's
+            // answer can free the key again a moment later (its request reached Redis a hair
+            // before its slot), and the followers must then elect a new leader, not all go.
+            let deadline = cx.now + micros(cx.probe_wait);
             loop {
                 let known = if self.tier_enabled {
                     l.tier.check(key, now, delay_of(l))
@@ -395,7 +398,7 @@ impl LimitSet {
                         return self.conclude(&[(i, Err(r))]);
                     }
                     Some(r) => results.push((i, Err(r))),
-                    None if !self.tier_enabled || waited => to_redis.push((i, s, e)),
+                    None if !self.tier_enabled || now >= deadline => to_redis.push((i, s, e)),
                     None => match l.tier.begin(key, now) {
                         Probe::Free => to_redis.push((i, s, e)),
                         Probe::Lead(guard) => {
@@ -403,9 +406,9 @@ impl LimitSet {
                             to_redis.push((i, s, e));
                         }
                         Probe::Follow => {
-                            l.tier.wait_probe(key, now, cx.probe_wait).await;
+                            let left = Duration::from_micros(deadline - now);
+                            l.tier.wait_probe(key, now, left).await;
                             now = cx.clock.now();
-                            waited = true;
                             continue;
                         }
                     },
