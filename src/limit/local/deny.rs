@@ -317,7 +317,7 @@ mod tests {
     }
 
     #[test]
-    fn entries_expire_and_are_swept() {
+    fn entries_expire_a_probe_window_after_admit_at_and_are_swept() {
         let c = DenyCache::default();
         let r = Rejection {
             retry_after: 10,
@@ -326,6 +326,34 @@ mod tests {
         };
         c.rejected(b"k", 0, &r, 0);
         assert_eq!(c.sweep(5), 1);
-        assert_eq!(c.sweep(10), 0);
+        // Kept past admit_at for the probe window, so a hot key's herd can be funnelled.
+        assert_eq!(c.sweep(10), 1);
+        assert!(c.check(b"k", 10, 0).is_none());
+        assert_eq!(c.sweep(10 + PROBE_WINDOW), 0);
+    }
+
+    #[test]
+    fn one_request_probes_a_key_that_came_free_and_the_others_follow() {
+        let c = DenyCache::default();
+        assert!(
+            matches!(c.begin(b"cold", 0), Probe::Free),
+            "no recent answer: no coordination"
+        );
+        let r = Rejection {
+            retry_after: 100,
+            remaining: 0,
+            reset_after: 100,
+        };
+        c.rejected(b"k", 1_000, &r, 0);
+        let lead = c.begin(b"k", 1_100);
+        assert!(matches!(lead, Probe::Lead(_)));
+        assert!(matches!(c.begin(b"k", 1_100), Probe::Follow));
+        assert!(matches!(c.begin(b"k", 1_200), Probe::Follow));
+        // The leader's answer is learned and its guard dropped: the key is no longer probed,
+        // and the followers see what it learned.
+        c.rejected(b"k", 1_100, &r, 0);
+        drop(lead);
+        assert!(c.check(b"k", 1_150, 0).is_some());
+        assert!(matches!(c.begin(b"k", 1_200), Probe::Lead(_)));
     }
 }
