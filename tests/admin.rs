@@ -115,10 +115,11 @@ async fn limit_state_of_one_key() {
     assert_eq!(r.status(), 400);
 }
 
-#[tokio::test]
-async fn json_logs_name_route_limit_and_status_of_a_rejection_but_never_the_key() {
+/// Runs the binary with JSON logs on `cfg(.., extra_server)`, sends four requests as `user`
+/// (one over the limit of 3), stops it, and returns all of stderr and the rejection line.
+async fn rejection_log(extra_server: &str, user: &str) -> (String, Value) {
     let up = Upstream::start().await;
-    let yaml = cfg(&up.url(), "").replace(
+    let yaml = cfg(&up.url(), extra_server).replace(
         "127.0.0.1:0\n  admin: 127.0.0.1:0",
         "127.0.0.1:PROXY_PORT\n  admin: 127.0.0.1:ADMIN_PORT",
     );
@@ -132,60 +133,8 @@ async fn json_logs_name_route_limit_and_status_of_a_rejection_but_never_the_key(
     let c = client();
     for _ in 0..4 {
         c.get(format!("{}/", p.proxy))
-            .header("x-user", "very-secret-user")
+            .header("x-user", user)
             .header("x-request-id", "req-42")
-            .send()
-            .await
-            .unwrap();
-    }
-    p.signal("TERM");
-    let _ = p.child.wait();
-    let mut err = String::new();
-    p.child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    let lines: Vec<Value> = err
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
-        .collect();
-    let rejected = lines
-        .iter()
-        .find(|l| l["fields"]["message"] == "rate limited")
-        .unwrap_or_else(|| panic!("no rejection logged:\n{err}"));
-    assert_eq!(rejected["level"], "INFO");
-    assert_eq!(rejected["fields"]["route"], "api");
-    assert_eq!(rejected["fields"]["limit"], "per-user");
-    assert_eq!(rejected["fields"]["status"], 429);
-    assert!(
-        rejected["fields"]["request_id"]
-            .as_str()
-            .unwrap()
-            .contains("req-42")
-    );
-    assert!(!err.contains("very-secret-user"), "the key is not logged");
-}
-
-#[tokio::test]
-async fn log_keys_puts_the_key_in_rejection_lines_when_configured() {
-    let up = Upstream::start().await;
-    let yaml = cfg(&up.url(), "  log_keys: true\n").replace(
-        "127.0.0.1:0\n  admin: 127.0.0.1:0",
-        "127.0.0.1:PROXY_PORT\n  admin: 127.0.0.1:ADMIN_PORT",
-    );
-    let mut p = Proc::start(
-        &yaml,
-        &["--log-format", "json"],
-        &[("RUST_LOG", "info")],
-        true,
-    )
-    .await;
-    let c = client();
-    for _ in 0..4 {
-        c.get(format!("{}/", p.proxy))
-            .header("x-user", "ann")
             .send()
             .await
             .unwrap();
@@ -201,8 +150,25 @@ async fn log_keys_puts_the_key_in_rejection_lines_when_configured() {
         .unwrap();
     let line = err
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
         .find(|l| l["fields"]["message"] == "rate limited")
-        .unwrap();
+        .unwrap_or_else(|| panic!("no rejection logged:\n{err}"));
+    (err, line)
+}
+
+#[tokio::test]
+async fn json_logs_name_route_limit_and_status_of_a_rejection_but_never_the_key() {
+    let (err, rejected) = rejection_log("", "very-secret-user").await;
+    assert_eq!(rejected["level"], "INFO");
+    assert_eq!(rejected["fields"]["route"], "api");
+    assert_eq!(rejected["fields"]["limit"], "per-user");
+    assert_eq!(rejected["fields"]["status"], 429);
+    assert_eq!(rejected["fields"]["request_id"], "req-42");
+    assert!(!err.contains("very-secret-user"), "the key is not logged");
+}
+
+#[tokio::test]
+async fn log_keys_puts_the_key_in_rejection_lines_when_configured() {
+    let (_, line) = rejection_log("  log_keys: true\n", "ann").await;
     assert_eq!(line["fields"]["key"], "ann");
 }

@@ -54,26 +54,12 @@ async fn delayed_requests_are_forwarded_when_their_slot_comes() {
         2,
         "{statuses:?}"
     );
-    let mut at: Vec<Duration> = up
-        .arrivals
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|t| *t - t0)
-        .collect();
-    at.sort();
-    for (i, a) in at.iter().enumerate() {
-        let scheduled = Duration::from_millis(100 * i as u64);
-        // Never early (a little slack for the requests' own start skew), and on time.
-        assert!(
-            *a + Duration::from_millis(20) >= scheduled,
-            "slot {i} forwarded early: {a:?}"
-        );
-        assert!(
-            *a <= scheduled + Duration::from_millis(150),
-            "slot {i} forwarded late: {a:?}"
-        );
-    }
+    up.assert_paced(
+        t0,
+        Duration::from_millis(100),
+        Duration::from_millis(20),
+        Duration::from_millis(150),
+    );
     // The rejected ones reserved nothing: the next slot is 500 ms after t0, not 700, so a
     // request at 530 ms is admitted at once.
     tokio::time::sleep_until((t0 + Duration::from_millis(530)).into()).await;

@@ -540,25 +540,12 @@ async fn delayed_requests_reserve_slots_in_redis_across_instances() {
         5,
         "{statuses:?}"
     );
-    let mut at: Vec<Duration> = up
-        .arrivals
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|t| *t - t0)
-        .collect();
-    at.sort();
-    for (i, a) in at.iter().enumerate() {
-        let scheduled = Duration::from_millis(100 * i as u64);
-        assert!(
-            *a + Duration::from_millis(30) >= scheduled,
-            "slot {i} early: {a:?}"
-        );
-        assert!(
-            *a <= scheduled + Duration::from_millis(200),
-            "slot {i} late: {a:?}"
-        );
-    }
+    up.assert_paced(
+        t0,
+        Duration::from_millis(100),
+        Duration::from_millis(30),
+        Duration::from_millis(200),
+    );
 }
 
 #[tokio::test]

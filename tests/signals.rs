@@ -96,15 +96,7 @@ async fn drains_on(sig: &str) {
     assert!(fresh.get(format!("{}/", p.proxy)).send().await.is_err());
     // The in-flight request still completes.
     assert_eq!(slow.await.unwrap().unwrap(), 200);
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = p.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(5), "did not exit");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert!(status.success(), "{status:?}");
+    assert!(p.exited_ok().await);
 }
 
 #[tokio::test]
@@ -161,10 +153,5 @@ routes:
         "the delayed request was forwarded"
     );
     assert_eq!(up.hits(), 2);
-    let t = Instant::now();
-    while p.child.try_wait().unwrap().is_none() {
-        assert!(t.elapsed() < Duration::from_secs(5), "did not exit");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(p.child.try_wait().unwrap().unwrap().success());
+    assert!(p.exited_ok().await);
 }

@@ -75,6 +75,18 @@ impl Proc {
         }
     }
 
+    /// Waits (at most 5 s) for the process to exit and returns whether it exited 0.
+    pub async fn exited_ok(&mut self) -> bool {
+        let t = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(t.elapsed() < Duration::from_secs(5), "did not exit");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill")
             .args([&format!("-{sig}"), &self.child.id().to_string()])

@@ -85,6 +85,31 @@ impl Upstream {
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
+
+    /// Asserts that the k-th request (by arrival) arrived k × `step` after `t0`: never more
+    /// than `early` before its slot (the requests' own start skew), never more than `late`
+    /// after it.
+    pub fn assert_paced(
+        &self,
+        t0: std::time::Instant,
+        step: Duration,
+        early: Duration,
+        late: Duration,
+    ) {
+        let mut at: Vec<Duration> = self
+            .arrivals
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| *t - t0)
+            .collect();
+        at.sort();
+        for (i, a) in at.iter().enumerate() {
+            let scheduled = step * i as u32;
+            assert!(*a + early >= scheduled, "slot {i} forwarded early: {a:?}");
+            assert!(*a <= scheduled + late, "slot {i} forwarded late: {a:?}");
+        }
+    }
 }
 
 fn full(s: impl Into<Bytes>) -> Body {
