@@ -336,12 +336,21 @@ async fn shadow_limits_count_but_never_reject_and_missing_keys_follow_on_missing
 ";
     let (g, _clock) = Gateway::start_manual(&yaml(&up.url(), routes)).await;
     let c = client();
-    // No x-user: by-user does not apply (skip). No tenant: rejected with 400.
+    // No x-user: by-user does not apply (skip). No tenant: rejected (429, its own error, no
+    // Retry-After: waiting does not help).
     let r = c.get(g.url("/")).send().await.unwrap();
-    assert_eq!(r.status(), 400);
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().get("retry-after").is_none());
     let b: Value = r.json().await.unwrap();
     assert_eq!(b["error"], "missing_key");
     assert_eq!(b["part"], "query:tenant");
+    assert_eq!(
+        metric(
+            &g.metrics().await,
+            "tollgate_limit_decisions_total{route=\"r\",limit=\"by-tenant\",decision=\"rejected\"}"
+        ),
+        Some(1.0)
+    );
     for _ in 0..3 {
         let r = c.get(g.url("/?tenant=t1")).send().await.unwrap();
         assert_eq!(r.status(), 200, "shadow never rejects; by-user skipped");

@@ -276,7 +276,10 @@ impl LimitSet {
             match limit.key.build(req, &mut keys) {
                 KeyOutcome::Built => spans.push((i, start, keys.len())),
                 KeyOutcome::Skip => {}
-                KeyOutcome::Reject(part) => return Verdict::MissingKey { limit: i, part },
+                KeyOutcome::Reject(part) => {
+                    limit.metrics.rejected.inc();
+                    return Verdict::MissingKey { limit: i, part };
+                }
             }
         }
         if spans.iter().any(|s| self.limits[s.0].is_global()) {

@@ -48,9 +48,12 @@ pub fn bad_request(message: &str) -> Response<Body> {
     )
 }
 
+/// `on_missing: reject`: the same status as any rejection (`reject` means 429 throughout the
+/// config), with its own error so a client can tell it apart; no `Retry-After`, since no wait
+/// makes a missing key part appear.
 pub fn missing_key(route: &str, limit: &str, part: &str) -> Response<Body> {
     json(
-        StatusCode::BAD_REQUEST,
+        StatusCode::TOO_MANY_REQUESTS,
         format!(
             r#"{{"error":"missing_key","route":{},"limit":{},"part":{}}}"#,
             escape(route),
