@@ -121,14 +121,13 @@ impl Runtime {
             }
         }
         let redis = config.redis.as_ref().and_then(|rc| {
-            let settings = settings(rc);
+            let wanted = settings(rc);
             match previous.and_then(|p| p.redis.as_ref().map(|r| (p, r))) {
-                Some((p, r))
-                    if p.config.redis.as_ref().map(settings_of) == Some(settings.clone()) =>
-                {
+                // Same settings: keep the connected pool (and its breaker) across the reload.
+                Some((p, r)) if p.config.redis.as_ref().map(settings) == Some(wanted.clone()) => {
                     Some(r.clone())
                 }
-                _ => match RedisStore::connect(settings) {
+                _ => match RedisStore::connect(wanted) {
                     Ok(store) => Some(store),
                     Err(e) => {
                         // Served as an outage: on_error decides every global limit.
@@ -212,10 +211,6 @@ fn same_state_shape(old: &LimitConfig, new: &LimitConfig) -> bool {
         && old.key == new.key
         && old.scope == new.scope
         && old.consistency == new.consistency
-}
-
-fn settings_of(rc: &RedisConfig) -> RedisSettings {
-    settings(rc)
 }
 
 fn settings(rc: &RedisConfig) -> RedisSettings {

@@ -80,25 +80,11 @@ async fn limit_state_of_one_key() {
         .send()
         .await
         .unwrap();
-    let s: Value = c
-        .get(g.admin_url("/admin/limits/api/per-user?key=ann"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let s: Value = g.admin_json("/admin/limits/api/per-user?key=ann").await;
     assert_eq!(s["remaining"], 2, "{s}");
     assert_eq!(s["store"], "local");
     assert!(s["reset_after_ms"].as_u64().unwrap() > 0);
-    let fresh: Value = c
-        .get(g.admin_url("/admin/limits/api/per-user?key=nobody"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let fresh: Value = g.admin_json("/admin/limits/api/per-user?key=nobody").await;
     assert_eq!(fresh["remaining"], 3);
     assert_eq!(fresh["reset_after_ms"], 0);
     let r = c

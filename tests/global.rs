@@ -34,6 +34,15 @@ fn route(name: &str, upstream: &str, limits: &str) -> String {
     format!("  - name: {name}\n    upstream: {upstream}\n    limits:\n{limits}")
 }
 
+/// A config on the shared server (fail closed) with one route `name` to `up`.
+fn on_shared_redis(redis: &RedisServer, name: &str, up: &Upstream, limits: &str) -> String {
+    cfg(
+        &format!("url: {}", redis.url()),
+        "deny",
+        &route(name, &up.url(), limits),
+    )
+}
+
 async fn start_n(n: usize, yaml: &str) -> Vec<Gateway> {
     let mut v = Vec::new();
     for _ in 0..n {
@@ -125,11 +134,7 @@ async fn concurrent_clients_on_many_keys_never_over_admit() {
     let redis = shared_redis();
     let up = Upstream::start().await;
     let limits = "      - name: per-user\n        key: [header:x-user]\n        algorithm: sliding_log\n        rate: 5/1d\n";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("many", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "many", &up, limits);
     let gws = start_n(3, &yaml).await;
     let users: Vec<String> = (0..20).map(|i| format!("u{i}")).collect();
     let runs = users
@@ -154,11 +159,7 @@ async fn a_request_rejected_by_one_global_limit_consumes_from_none_and_keys_expi
         rate: 1/1h
         burst: 1
 ";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("atomic", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "atomic", &up, limits);
     let g = Gateway::start(&yaml).await;
     let c = client();
     let get = |u: &'static str| c.get(g.url("/")).header("x-user", u).send();
@@ -168,14 +169,7 @@ async fn a_request_rejected_by_one_global_limit_consumes_from_none_and_keys_expi
         assert_eq!(r.status(), 429);
     }
     // `wide` saw 6 requests but only one consumed it.
-    let state: serde_json::Value = c
-        .get(g.admin_url("/admin/limits/atomic/wide?key=all"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let state: serde_json::Value = g.admin_json("/admin/limits/atomic/wide?key=all").await;
     assert_eq!(state["store"], "redis");
     assert_eq!(state["remaining"], 2, "{state}");
     assert_eq!(get("b").await.unwrap().status(), 200);
@@ -197,11 +191,7 @@ async fn keys_vanish_once_their_state_is_full_again() {
     let redis = shared_redis();
     let up = Upstream::start().await;
     let limits = "      - name: short\n        key: [literal:k]\n        algorithm: gcra\n        rate: 10/1s\n        burst: 2\n";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("ttl", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "ttl", &up, limits);
     let g = Gateway::start(&yaml).await;
     client().get(g.url("/")).send().await.unwrap();
     let keys = || redis.cli(&["--scan", "--pattern", "tg:{ttl/short/k}*"]);
@@ -216,11 +206,7 @@ async fn a_flood_from_one_client_is_answered_in_process() {
     let redis = shared_redis();
     let up = Upstream::start().await;
     let limits = "      - name: hot\n        key: [literal:hot]\n        algorithm: gcra\n        rate: 10/1d\n        burst: 5\n";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("flood", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "flood", &up, limits);
     let g = Gateway::start(&yaml).await;
     let c = client();
     let mut statuses = Vec::new();
@@ -262,11 +248,7 @@ async fn script_flush_mid_traffic_is_invisible() {
     let redis = shared_redis();
     let up = Upstream::start().await;
     let limits = "      - name: l\n        key: [literal:x]\n        algorithm: sliding_window\n        rate: 30/1d\n";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("flush", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "flush", &up, limits);
     let g = Gateway::start(&yaml).await;
     let c = client();
     let mut ok = 0;
@@ -416,14 +398,7 @@ async fn the_gateway_starts_and_serves_when_redis_is_down_at_startup() {
     assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
     assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 429);
     assert!(t.elapsed() < Duration::from_secs(1));
-    let ready: serde_json::Value = c
-        .get(g.admin_url("/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: serde_json::Value = g.admin_json("/readyz").await;
     assert_eq!(ready["redis"], "down");
     assert_eq!(ready["ready"], true);
 }
@@ -520,11 +495,7 @@ async fn delayed_requests_reserve_slots_in_redis_across_instances() {
         on_limit: delay
         max_delay: 450ms
 ";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("gdelay", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "gdelay", &up, limits);
     let gws = start_n(2, &yaml).await;
     let c = client();
     let t0 = Instant::now();
@@ -554,11 +525,7 @@ async fn a_concurrent_flood_on_one_key_asks_redis_about_once_per_emission_interv
     let up = Upstream::start().await;
     // T = 50 ms: the key comes free 20 times a second; 32 clients hammer it meanwhile.
     let limits = "      - name: hot\n        key: [literal:hot]\n        algorithm: gcra\n        rate: 20/1s\n        burst: 5\n";
-    let yaml = cfg(
-        &format!("url: {}", redis.url()),
-        "deny",
-        &route("herd", &up.url(), limits),
-    );
+    let yaml = on_shared_redis(redis, "herd", &up, limits);
     let g = Gateway::start(&yaml).await;
     let stop = Instant::now() + Duration::from_millis(1500);
     let clients = (0..32).map(|_| {

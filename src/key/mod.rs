@@ -101,7 +101,7 @@ impl KeySpec {
                 out.truncate(start);
                 return match self.on_missing {
                     OnMissing::Skip => KeyOutcome::Skip,
-                    OnMissing::Reject => KeyOutcome::Reject(part_name(part)),
+                    OnMissing::Reject => KeyOutcome::Reject(part.to_string()),
                     OnMissing::Ip => {
                         // Prefixed so a user id that looks like an address is a different key.
                         out.extend_from_slice(b"ip:");
@@ -112,18 +112,6 @@ impl KeySpec {
             }
         }
         KeyOutcome::Built
-    }
-}
-
-fn part_name(part: &KeyPart) -> String {
-    match part {
-        KeyPart::Ip => "ip".into(),
-        KeyPart::Header(n) => format!("header:{n}"),
-        KeyPart::Query(n) => format!("query:{n}"),
-        KeyPart::Path => "path".into(),
-        KeyPart::Method => "method".into(),
-        KeyPart::Route => "route".into(),
-        KeyPart::Literal(t) => format!("literal:{t}"),
     }
 }
 

@@ -124,6 +124,11 @@ impl Limit {
         k
     }
 
+    /// Decided by the local store alone (`scope: local`).
+    fn is_local(&self) -> bool {
+        self.scope == Scope::Local
+    }
+
     /// Decided in Redis on every request (`scope: global`, `consistency: strict`).
     fn is_global(&self) -> bool {
         self.scope == Scope::Global && self.eventual.is_none()
@@ -298,8 +303,7 @@ impl LimitSet {
             self.tiers.local_duration.observe(started.elapsed());
             return self.conclude(&results);
         }
-        let is_local = |l: &Limit| l.eventual.is_none();
-        let checks = self.local_checks(&keys, &spans, cx, is_local);
+        let checks = self.local_checks(&keys, &spans, cx, Limit::is_local);
         let (ok, verdicts) = local::decide(&checks, cx.now);
         if ok {
             self.commit_eventual(&keys, &spans, &results, cx);
@@ -308,7 +312,7 @@ impl LimitSet {
         self.tiers.local_duration.observe(started.elapsed());
         let local_idx = spans
             .iter()
-            .filter(|s| is_local(&self.limits[s.0]))
+            .filter(|s| self.limits[s.0].is_local())
             .map(|s| s.0);
         results.extend(local_idx.zip(verdicts));
         self.conclude(&results)
@@ -420,12 +424,11 @@ impl LimitSet {
             }
         }
         // 2. Local and eventual limits, checked but not charged.
-        let is_local = |l: &Limit| !l.is_global() && l.eventual.is_none();
-        let local = self.local_checks(keys, spans, cx, is_local);
+        let local = self.local_checks(keys, spans, cx, Limit::is_local);
         let (local_ok, local_verdicts) = local::check(&local, cx.now);
         let local_idx = spans
             .iter()
-            .filter(|s| is_local(&self.limits[s.0]))
+            .filter(|s| self.limits[s.0].is_local())
             .map(|s| s.0);
         let eventual = self.check_eventual(keys, spans, cx);
         let eventual_ok = eventual
@@ -444,31 +447,29 @@ impl LimitSet {
             .iter()
             .map(|&(i, s, e)| self.limits[i].redis_key(&keys[s..e]))
             .collect();
-        let global = |shadow: bool| -> Vec<(usize, GlobalLimit<'_>)> {
+        // Each call's limits, with the span of the key they were asked about.
+        let split = |shadow: bool| -> (SmallVec<[Span; 4]>, Vec<GlobalLimit<'_>>) {
             to_redis
                 .iter()
                 .zip(&redis_keys)
                 .filter(|(sp, _)| self.limits[sp.0].shadow == shadow)
-                .map(|(sp, k)| {
+                .map(|(&sp, k)| {
                     let l = &self.limits[sp.0];
-                    (
-                        sp.0,
-                        GlobalLimit {
-                            algorithm: &l.algorithm,
-                            key: k,
-                            cost: l.cost,
-                            max_delay: delay_of(l),
-                        },
-                    )
+                    let g = GlobalLimit {
+                        algorithm: &l.algorithm,
+                        key: k,
+                        cost: l.cost,
+                        max_delay: delay_of(l),
+                    };
+                    (sp, g)
                 })
-                .collect()
+                .unzip()
         };
-        let (enforced, shadows) = (global(false), global(true));
+        let ((enforced_spans, enforced), (shadow_spans, shadows)) = (split(false), split(true));
         let answer = match cx.redis {
             Some(redis) => {
-                let e: Vec<GlobalLimit<'_>> = enforced.iter().map(|g| g.1).collect();
-                let s: Vec<GlobalLimit<'_>> = shadows.iter().map(|g| g.1).collect();
-                let (a, b) = tokio::join!(redis.decide(&e, None), redis.decide(&s, None));
+                let (a, b) =
+                    tokio::join!(redis.decide(&enforced, None), redis.decide(&shadows, None));
                 a.and_then(|a| b.map(|b| (a, b)))
             }
             None => Err(redis::RedisError::Unavailable),
@@ -479,20 +480,16 @@ impl LimitSet {
         match answer {
             Ok((main, shadow)) => {
                 self.tiers.redis.inc();
-                let decided = enforced
+                let decided = enforced_spans
                     .iter()
+                    .zip(&enforced)
                     .zip(main.per_limit)
-                    .chain(shadows.iter().zip(shadow.per_limit));
-                for ((i, g), v) in decided {
-                    let l = &self.limits[*i];
-                    let (s, e) = spans
-                        .iter()
-                        .find(|s| s.0 == *i)
-                        .map(|s| (s.1, s.2))
-                        .unwrap_or((0, 0));
+                    .chain(shadow_spans.iter().zip(&shadows).zip(shadow.per_limit));
+                for ((&(i, s, e), g), v) in decided {
+                    let l = &self.limits[i];
                     let key = &keys[s..e];
                     results.push((
-                        *i,
+                        i,
                         match v {
                             LimitVerdict::Admitted { snapshot, delay } => {
                                 if self.tier_enabled && (main.admitted || l.shadow) {
@@ -540,7 +537,7 @@ impl LimitSet {
                 // on_error: allow — the global limits fall back to their local stores.
                 self.tiers.fallback.inc();
                 let in_fallback = |l: &Limit| {
-                    is_local(l) || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
+                    l.is_local() || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
                 };
                 let all = self.local_checks(keys, spans, cx, in_fallback);
                 let (ok, verdicts) = local::decide(&all, cx.now);

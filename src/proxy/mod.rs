@@ -101,6 +101,13 @@ impl Proxy {
             return response::bad_request("dot segments are not allowed in the path");
         }
         let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
+        let parts = RequestParts {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            client_ip: client,
+            route: &route.name,
+        };
         let limits = &route.limits;
         let mut waiter = None;
         let verdict = if limits.is_empty() {
@@ -115,13 +122,6 @@ impl Proxy {
             let allow_delay = limits.can_delay && {
                 waiter = WaiterSlot::acquire(route);
                 waiter.is_some()
-            };
-            let parts = RequestParts {
-                method: req.method(),
-                uri: req.uri(),
-                headers: req.headers(),
-                client_ip: client,
-                route: &route.name,
             };
             let cx = Context {
                 now: self.clock.now(),
@@ -143,13 +143,6 @@ impl Proxy {
                 let l = &limits.limits[limit];
                 let request_id = id.to_str().unwrap_or("-");
                 if rt.config.server.log_keys {
-                    let parts = RequestParts {
-                        method: req.method(),
-                        uri: req.uri(),
-                        headers: req.headers(),
-                        client_ip: client,
-                        route: &route.name,
-                    };
                     let mut key = Vec::new();
                     l.key.build(&parts, &mut key);
                     let key = String::from_utf8_lossy(&key);

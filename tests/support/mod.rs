@@ -91,6 +91,16 @@ impl Gateway {
         }
     }
 
+    /// An admin path's JSON body.
+    pub async fn admin_json(&self, path: &str) -> serde_json::Value {
+        reqwest::get(self.admin_url(path))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
     pub async fn metrics(&self) -> String {
         reqwest::get(self.admin_url("/metrics"))
             .await
