@@ -21,6 +21,10 @@ pub const SHARDS: usize = 64;
 /// touches the table and nothing behind a pointer.
 type KeyBuf = SmallVec<[u8; 16]>;
 
+/// One cache line per entry: key (24 bytes with smallvec's `union`), state (32) and expiry fill
+/// 64 bytes for every algorithm (the log is boxed), and the alignment keeps an entry from
+/// straddling two lines, so a decision on a cold key misses the cache once for it, not twice.
+#[repr(align(64))]
 struct Entry<V> {
     key: KeyBuf,
     value: V,
@@ -141,5 +145,16 @@ impl<V> Sharded<V> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::algorithm::State;
+
+    #[test]
+    fn an_entry_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Entry<State>>(), 64);
     }
 }
