@@ -6,12 +6,12 @@
 //! carried over from the previous runtime, so a reload does not hand every client a fresh budget.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use http::Uri;
 use http::uri::{Authority, Scheme};
+use http::{HeaderValue, Uri};
 use ipnet::IpNet;
 
 use crate::config::{Config, LimitConfig, OnError, RedisConfig, RedisTarget};
@@ -30,18 +30,34 @@ pub struct Upstream {
     pub authority: Authority,
     /// Path prefix without a trailing `/` ("" for none).
     pub base_path: String,
+    /// `Host` for requests that do not keep the client's: the authority without a default port,
+    /// as an HTTP client writes it.
+    pub host: HeaderValue,
+    /// The kept-alive connections of a plain `http://` upstream, looked up in the client's
+    /// table on first use; upstreams with the same authority share one across reloads.
+    pub pool: OnceLock<Arc<crate::proxy::forward::Host>>,
 }
 
 impl Upstream {
     fn new(uri: &Uri) -> Self {
         let base = uri.path().trim_end_matches('/');
+        let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
+        let authority = uri
+            .authority()
+            .cloned()
+            .unwrap_or_else(|| Authority::from_static("localhost"));
+        let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
+        let host = match authority.port_u16() {
+            Some(p) if p != default_port => authority.as_str().to_owned(),
+            _ => authority.host().to_owned(),
+        };
         Self {
-            scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
-            authority: uri
-                .authority()
-                .cloned()
-                .unwrap_or_else(|| Authority::from_static("localhost")),
+            host: HeaderValue::from_str(&host)
+                .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
+            scheme,
+            authority,
             base_path: base.to_owned(),
+            pool: OnceLock::new(),
         }
     }
 

@@ -7,18 +7,21 @@
 //! for the upstream's response head: past it, 504.
 
 mod client;
+mod pool;
 
 use std::net::SocketAddr;
 use std::time::Instant;
 
 use http::header::HOST;
-use http::{HeaderValue, Request, Response, Version};
+use http::uri::{PathAndQuery, Scheme};
+use http::{HeaderValue, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 pub use self::client::{Client, UpstreamError};
+pub use self::pool::Host;
 use super::{Body, Proxy, headers, response};
-use crate::runtime::{Route, Runtime};
+use crate::runtime::{Route, Runtime, Upstream};
 
 pub async fn forward(
     proxy: &Proxy,
@@ -29,11 +32,18 @@ pub async fn forward(
 ) -> Response<Body> {
     let upstream = route.pick_upstream();
     let upgrade = headers::is_upgrade(req.version(), req.headers());
+    // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own pool.
+    let plain = !upgrade && upstream.scheme == Scheme::HTTP;
     // Taken before the request is consumed: the client side of a protocol switch.
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let Ok(uri) = upstream.target(pq) else {
+    let uri = if plain {
+        origin_form(upstream, &parts.uri)
+    } else {
+        let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        upstream.target(pq)
+    };
+    let Ok(uri) = uri else {
         return response::bad_request("request target cannot be forwarded");
     };
     let client_host = parts.headers.get(HOST).cloned().or_else(|| {
@@ -43,36 +53,52 @@ pub async fn forward(
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
     headers::strip_hop_by_hop(&mut parts.headers, upgrade);
-    match client_host {
-        Some(h) => {
-            parts.headers.insert(HOST, h);
-        }
-        None => {
-            parts.headers.remove(HOST);
-        }
-    }
     let peer_trusted = rt
         .trusted_proxies
         .iter()
         .any(|n| n.contains(&peer.ip().to_canonical()));
     headers::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, proxy.proto);
-    if !route.preserve_host {
-        // The pooled client fills Host from the absolute URI when it is absent.
-        parts.headers.remove(HOST);
+    match client_host {
+        Some(h) if route.preserve_host => {
+            parts.headers.insert(HOST, h);
+        }
+        // Written by hand on the plain path; the pooled client fills it from the absolute URI.
+        _ if plain => {
+            parts.headers.insert(HOST, upstream.host.clone());
+        }
+        _ => {
+            parts.headers.remove(HOST);
+        }
     }
     parts.uri = uri;
     parts.version = Version::HTTP_11;
     let upstream_req = Request::from_parts(parts, body.boxed());
 
     let started = Instant::now();
-    let result = tokio::time::timeout(
-        route.timeout,
-        proxy.client.request(upstream_req, client_upgrade.is_some()),
-    )
-    .await;
+    let result = if plain {
+        tokio::time::timeout(
+            route.timeout,
+            proxy.client.send_plain(upstream, upstream_req),
+        )
+        .await
+        .map(|r| r.map(Exchange::Plain))
+    } else {
+        // Boxed: TLS, HTTP/2 and upgrades keep their larger state out of the common path's
+        // future.
+        tokio::time::timeout(
+            route.timeout,
+            Box::pin(proxy.client.request(upstream_req, client_upgrade.is_some())),
+        )
+        .await
+        .map(|r| r.map(Exchange::Other))
+    };
     route.metrics.upstream_duration.observe(started.elapsed());
     match result {
-        Ok(Ok(mut resp)) => {
+        Ok(Ok(Exchange::Plain(mut resp))) => {
+            headers::strip_hop_by_hop(resp.headers_mut(), false);
+            resp
+        }
+        Ok(Ok(Exchange::Other(mut resp))) => {
             let switched = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
             if let (true, Some(client_upgrade)) = (switched, client_upgrade) {
                 let upstream_upgrade = hyper::upgrade::on(&mut resp);
@@ -91,6 +117,28 @@ pub async fn forward(
             response::gateway_timeout(&route.name)
         }
     }
+}
+
+enum Exchange {
+    Plain(Response<Body>),
+    Other(Response<Incoming>),
+}
+
+/// The request target as an HTTP/1.1 origin server reads it: the upstream's base path, then the
+/// client's path and query (shared, not copied, when there is no base path).
+fn origin_form(upstream: &Upstream, client: &Uri) -> Result<Uri, http::Error> {
+    let pq = client.path_and_query();
+    if upstream.base_path.is_empty() {
+        let pq = pq
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        return Ok(Uri::from(pq));
+    }
+    let pq = pq.map_or("/", |pq| pq.as_str());
+    let mut joined = String::with_capacity(upstream.base_path.len() + pq.len());
+    joined.push_str(&upstream.base_path);
+    joined.push_str(pq);
+    Ok(Uri::from(PathAndQuery::try_from(joined)?))
 }
 
 /// Copies bytes both ways once both sides have switched protocols (WebSocket and any other

@@ -26,6 +26,8 @@ type Body = BoxBody<Bytes, Infallible>;
 pub struct Upstream {
     pub addr: SocketAddr,
     pub hits: Arc<AtomicUsize>,
+    /// TCP connections accepted.
+    pub connections: Arc<AtomicUsize>,
     /// When each request arrived, in arrival order.
     pub arrivals: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
     pub name: &'static str,
@@ -47,6 +49,8 @@ impl Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
+        let connections = Arc::new(AtomicUsize::new(0));
+        let conns = connections.clone();
         let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
         let h = hits.clone();
         let arr = arrivals.clone();
@@ -55,6 +59,7 @@ impl Upstream {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
+                conns.fetch_add(1, Ordering::SeqCst);
                 let h = h.clone();
                 let arr = arr.clone();
                 tokio::spawn(async move {
@@ -72,6 +77,7 @@ impl Upstream {
         Self {
             addr,
             hits,
+            connections,
             arrivals,
             name,
             task,
@@ -84,6 +90,10 @@ impl Upstream {
 
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
     }
 
     /// Asserts that the k-th request (by arrival) arrived k × `step` after `t0`: never more

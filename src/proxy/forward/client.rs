@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::header::HOST;
@@ -25,12 +26,14 @@ use hyper::client::conn::http2;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use rustls::pki_types::CertificateDer;
 use tokio::net::TcpStream;
 use tower::ServiceExt;
 
+use super::pool::{self, Host};
 use crate::proxy::Body;
+use crate::runtime::Upstream;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 type Pooled = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Body>;
@@ -42,7 +45,10 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 const REPROBE_AFTER: Duration = Duration::from_secs(300);
 
 pub struct Client {
-    /// HTTP/1.1, pooled: `http://`, upgrades, and `https://` upstreams without `h2`.
+    /// Plain `http://` upstreams (but upgrades): one [`Host`] pool each.
+    plain: HttpConnector,
+    hosts: Mutex<HashMap<Authority, Arc<Host>>>,
+    /// HTTP/1.1, pooled: upgrades, and `https://` upstreams without `h2`.
     http1: Pooled,
     /// Dials `https://` upstreams offering ALPN `h2` and `http/1.1`.
     alpn: HttpsConnector<HttpConnector>,
@@ -85,6 +91,12 @@ impl fmt::Display for UpstreamError {
 
 impl StdError for UpstreamError {}
 
+impl UpstreamError {
+    pub fn new(e: impl Into<BoxError>) -> Self {
+        Self(e.into())
+    }
+}
+
 fn http_connector() -> HttpConnector {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
@@ -114,10 +126,29 @@ impl Client {
             .enable_http2()
             .wrap_connector(http_connector());
         Self {
+            plain: http_connector(),
+            hosts: Mutex::new(HashMap::new()),
             http1,
             alpn,
             h2: RwLock::new(HashMap::new()),
         }
+    }
+
+    /// Sends `req` (origin-form URI, `Host` set) to a plain `http://` upstream over one of its
+    /// kept-alive connections.
+    pub async fn send_plain(
+        &self,
+        upstream: &Upstream,
+        req: Request<Body>,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let host = upstream.pool.get_or_init(|| {
+            self.hosts
+                .lock()
+                .entry(upstream.authority.clone())
+                .or_insert_with(|| Host::new(&upstream.authority))
+                .clone()
+        });
+        pool::send(&self.plain, host, req).await
     }
 
     /// Sends `req` (absolute URI: the upstream's scheme and authority; `Host` as it should reach
