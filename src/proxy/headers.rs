@@ -67,10 +67,40 @@ pub fn is_upgrade(version: http::Version, h: &HeaderMap) -> bool {
         })
 }
 
+/// A header value formatted in a stack buffer: no `String` on the request path, only the
+/// value's own bytes. `None` when the text is not a valid field value.
+pub fn value_of(args: std::fmt::Arguments<'_>) -> Option<HeaderValue> {
+    struct Buf {
+        bytes: [u8; 256],
+        len: usize,
+    }
+    impl std::fmt::Write for Buf {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let end = self.len + s.len();
+            self.bytes
+                .get_mut(self.len..end)
+                .ok_or(std::fmt::Error)?
+                .copy_from_slice(s.as_bytes());
+            self.len = end;
+            Ok(())
+        }
+    }
+    let mut buf = Buf {
+        bytes: [0; 256],
+        len: 0,
+    };
+    if std::fmt::Write::write_fmt(&mut buf, args).is_ok() {
+        HeaderValue::from_bytes(&buf.bytes[..buf.len]).ok()
+    } else {
+        // Longer than the buffer (a long limit name, a long X-Forwarded-For chain).
+        HeaderValue::from_str(&std::fmt::format(args)).ok()
+    }
+}
+
 /// Sets `X-Forwarded-For` (the peer appended to what came in), `-Proto` and `-Host`.
 /// `-Proto`/`-Host` from the client are kept only when the peer is a trusted proxy.
 pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto: &'static str) {
-    let peer = peer.to_canonical().to_string();
+    let peer = peer.to_canonical();
     let xff = match h.get(&XFF).and_then(|v| v.to_str().ok()) {
         Some(prev) if !prev.trim().is_empty() => {
             // Several XFF lines are one comma list (RFC 9110 §5.3).
@@ -79,11 +109,11 @@ pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto:
                 .iter()
                 .filter_map(|v| v.to_str().ok())
                 .collect();
-            format!("{}, {peer}", all.join(", "))
+            value_of(format_args!("{}, {peer}", all.join(", ")))
         }
-        _ => peer,
+        _ => value_of(format_args!("{peer}")),
     };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
+    if let Some(v) = xff {
         h.insert(&XFF, v);
     }
     if !(peer_trusted && h.contains_key(&XFP)) {
@@ -114,6 +144,17 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn values_are_formatted_whole_past_the_stack_buffer_and_refused_when_invalid() {
+        assert_eq!(value_of(format_args!("{}-{}", "a", 7)).unwrap(), "a-7");
+        let long = "x".repeat(1000);
+        assert_eq!(
+            value_of(format_args!("{long};r=1")).unwrap(),
+            format!("{long};r=1").as_str()
+        );
+        assert!(value_of(format_args!("bad\n{}", 1)).is_none());
     }
 
     #[test]

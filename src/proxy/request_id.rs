@@ -42,8 +42,12 @@ fn generate() -> HeaderValue {
         h.finish()
     });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let s = format!("{prefix:016x}{n:016x}");
-    HeaderValue::from_str(&s).unwrap_or_else(|_| HeaderValue::from_static("0"))
+    let mut hex = [0u8; 32];
+    let digits = (u128::from(prefix) << 64) | u128::from(n);
+    for (i, d) in hex.iter_mut().enumerate() {
+        *d = b"0123456789abcdef"[((digits >> (124 - 4 * i)) & 0xf) as usize];
+    }
+    HeaderValue::from_bytes(&hex).unwrap_or_else(|_| HeaderValue::from_static("0"))
 }
 
 #[cfg(test)]

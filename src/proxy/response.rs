@@ -135,13 +135,13 @@ pub fn too_many_requests(route: &str, limit: &Limit, r: &Rejection) -> Response<
 /// `RateLimit-Policy: "name";q=COUNT;w=SECONDS` and `RateLimit: "name";r=REMAINING;t=SECONDS`.
 pub fn set_ratelimit(h: &mut HeaderMap, limit: &Limit, info: &HeaderInfo) {
     h.insert(&RATELIMIT_POLICY, limit.policy.clone());
-    let v = format!(
+    let v = super::headers::value_of(format_args!(
         "\"{}\";r={};t={}",
         limit.name,
         info.remaining,
         ceil_secs(info.reset_after)
-    );
-    if let Ok(v) = HeaderValue::from_str(&v) {
+    ));
+    if let Some(v) = v {
         h.insert(&RATELIMIT, v);
     }
 }

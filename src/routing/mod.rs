@@ -75,9 +75,29 @@ impl RouteTable {
 /// Paths with dot segments (plain or percent-encoded) could match one route's prefix and reach
 /// another path upstream after normalisation; they are refused with 400 instead of guessed at.
 pub fn has_dot_segment(path: &str) -> bool {
+    // Cheap on the request path: segments are only looked at when they are short enough to be
+    // one or two dots, written plainly or as `%2e` / `%2E`.
     path.split('/').any(|seg| {
-        let decoded = seg.replace("%2e", ".").replace("%2E", ".");
-        decoded == "." || decoded == ".."
+        let s = seg.as_bytes();
+        s.len() <= 6 && {
+            let mut rest = s;
+            let mut dots = 0;
+            while !rest.is_empty() {
+                if rest[0] == b'.' {
+                    rest = &rest[1..];
+                } else if rest.len() >= 3
+                    && rest[0] == b'%'
+                    && rest[1] == b'2'
+                    && (rest[2] | 0x20) == b'e'
+                {
+                    rest = &rest[3..];
+                } else {
+                    return false;
+                }
+                dots += 1;
+            }
+            dots == 1 || dots == 2
+        }
     })
 }
 
@@ -130,5 +150,30 @@ mod tests {
         assert!(has_dot_segment("/api/%2E%2e/admin"));
         assert!(has_dot_segment("/."));
         assert!(!has_dot_segment("/api/..x/a.b"));
+    }
+
+    /// Against the plain definition (decode `%2e` either case, compare with `.` and `..`) for
+    /// every segment of up to seven characters over the bytes that matter.
+    #[test]
+    fn dot_segment_detection_matches_its_definition() {
+        fn reference(path: &str) -> bool {
+            path.split('/').any(|seg| {
+                let d = seg.replace("%2e", ".").replace("%2E", ".");
+                d == "." || d == ".."
+            })
+        }
+        let alphabet = ['.', '%', '2', 'e', 'E', 'x'];
+        let mut segs = vec![String::new()];
+        for _ in 0..7 {
+            let next: Vec<String> = segs
+                .iter()
+                .flat_map(|s| alphabet.iter().map(move |c| format!("{s}{c}")))
+                .collect();
+            for seg in &next {
+                let path = format!("/a/{seg}/b");
+                assert_eq!(has_dot_segment(&path), reference(&path), "{path}");
+            }
+            segs = next;
+        }
     }
 }

@@ -139,7 +139,9 @@ pub async fn send(
             },
         }
     }
-    let mut sender = connect(connector, host).await?;
+    // Boxed: a new connection is the rare case, and its state would otherwise be part of every
+    // request's future.
+    let mut sender = Box::pin(connect(connector, host)).await?;
     match sender.try_send_request(req).await {
         Ok(resp) => Ok(pooled(resp, sender, host)),
         Err(e) => Err(UpstreamError::new(e.into_error())),
