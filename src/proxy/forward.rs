@@ -78,7 +78,7 @@ pub async fn forward(
     let result = if plain {
         tokio::time::timeout(
             route.timeout,
-            proxy.client.send_plain(upstream, upstream_req),
+            proxy.client.send_plain(upstream, upstream_req, started),
         )
         .await
         .map(|r| r.map(Exchange::Plain))

@@ -140,6 +140,7 @@ impl Client {
         &self,
         upstream: &Upstream,
         req: Request<Body>,
+        started: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
         let host = upstream.pool.get_or_init(|| {
             self.hosts
@@ -148,7 +149,7 @@ impl Client {
                 .or_insert_with(|| Host::new(&upstream.authority))
                 .clone()
         });
-        pool::send(&self.plain, host, req).await
+        pool::send(&self.plain, host, req, started).await
     }
 
     /// Sends `req` (absolute URI: the upstream's scheme and authority; `Host` as it should reach

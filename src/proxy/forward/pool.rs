@@ -78,19 +78,22 @@ impl Host {
         self.idle.lock().len()
     }
 
-    fn checkout(&self) -> Option<http1::SendRequest<Body>> {
+    /// `now`: when the request started (one clock read serves the whole exchange).
+    fn checkout(&self, now: Instant) -> Option<http1::SendRequest<Body>> {
         let mut idle = self.idle.lock();
         while let Some(c) = idle.pop() {
-            if c.since.elapsed() < IDLE_TIMEOUT && c.sender.is_ready() {
+            if now.saturating_duration_since(c.since) < IDLE_TIMEOUT && c.sender.is_ready() {
                 return Some(c.sender);
             }
         }
         None
     }
 
-    fn checkin(self: &Arc<Self>, sender: http1::SendRequest<Body>) {
+    /// `used_at`: when the request that used it started. Its idle time is counted from then, a
+    /// little early, so a connection is retired before the timeout rather than after.
+    fn checkin(self: &Arc<Self>, sender: http1::SendRequest<Body>, used_at: Instant) {
         if sender.is_ready() {
-            self.push(sender);
+            self.push(sender, used_at);
         } else if !sender.is_closed() {
             // The connection has not yet taken up its next request (its task has not run since
             // the body ended, possible on a multi-threaded runtime): it goes back once it has.
@@ -98,20 +101,21 @@ impl Host {
             let mut sender = sender;
             tokio::spawn(async move {
                 if sender.ready().await.is_ok() {
-                    host.push(sender);
+                    host.push(sender, used_at);
                 }
             });
         }
     }
 
-    fn push(&self, sender: http1::SendRequest<Body>) {
-        let now = Instant::now();
+    fn push(&self, sender: http1::SendRequest<Body>, now: Instant) {
         let mut idle = self.idle.lock();
         // The oldest are at the bottom: drop the ones that have aged out, a few at a time.
         let stale = idle
             .iter()
             .take(8)
-            .take_while(|c| now.duration_since(c.since) >= IDLE_TIMEOUT || c.sender.is_closed())
+            .take_while(|c| {
+                now.saturating_duration_since(c.since) >= IDLE_TIMEOUT || c.sender.is_closed()
+            })
             .count();
         idle.drain(..stale);
         if idle.len() < MAX_IDLE {
@@ -126,13 +130,14 @@ pub async fn send(
     connector: &HttpConnector,
     host: &Arc<Host>,
     mut req: Request<Body>,
+    started: Instant,
 ) -> Result<Response<Body>, UpstreamError> {
     for _ in 0..STALE_RETRIES {
-        let Some(mut sender) = host.checkout() else {
+        let Some(mut sender) = host.checkout(started) else {
             break;
         };
         match sender.try_send_request(req).await {
-            Ok(resp) => return Ok(pooled(resp, sender, host)),
+            Ok(resp) => return Ok(pooled(resp, sender, host, started)),
             Err(mut e) => match e.take_message() {
                 Some(unsent) => req = unsent,
                 None => return Err(UpstreamError::new(e.into_error())),
@@ -143,7 +148,7 @@ pub async fn send(
     // request's future.
     let mut sender = Box::pin(connect(connector, host)).await?;
     match sender.try_send_request(req).await {
-        Ok(resp) => Ok(pooled(resp, sender, host)),
+        Ok(resp) => Ok(pooled(resp, sender, host, started)),
         Err(e) => Err(UpstreamError::new(e.into_error())),
     }
 }
@@ -173,15 +178,16 @@ fn pooled(
     resp: Response<Incoming>,
     sender: http1::SendRequest<Body>,
     host: &Arc<Host>,
+    started: Instant,
 ) -> Response<Body> {
     let (parts, body) = resp.into_parts();
     let body = if body.is_end_stream() {
-        host.checkin(sender);
+        host.checkin(sender, started);
         PooledBody { body, back: None }
     } else {
         PooledBody {
             body,
-            back: Some((sender, host.clone())),
+            back: Some((sender, host.clone(), started)),
         }
     };
     Response::from_parts(parts, http_body_util::BodyExt::boxed(body))
@@ -192,13 +198,13 @@ fn pooled(
 /// connection whose response was not read to the end.
 struct PooledBody {
     body: Incoming,
-    back: Option<(http1::SendRequest<Body>, Arc<Host>)>,
+    back: Option<(http1::SendRequest<Body>, Arc<Host>, Instant)>,
 }
 
 impl PooledBody {
     fn give_back(&mut self) {
-        if let Some((sender, host)) = self.back.take() {
-            host.checkin(sender);
+        if let Some((sender, host, used_at)) = self.back.take() {
+            host.checkin(sender, used_at);
         }
     }
 }
