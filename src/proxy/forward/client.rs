@@ -1,14 +1,14 @@
-//! The upstream client: pooled HTTP/1.1 to `http://` upstreams, TLS to `https://` upstreams, and
-//! HTTP/2 to `https://` upstreams that offer `h2` by ALPN.
+//! The upstream client: pooled HTTP/1.1 to `http://` upstreams (our own lean pool, see [`pool`]),
+//! TLS to `https://` upstreams, and HTTP/2 to `https://` upstreams that offer `h2` by ALPN.
 //!
 //! Why not hand everything to hyper-util's pooled client with ALPN on: over HTTP/2 the host goes
 //! in `:authority`, which that client takes from the URI it also pools and dials by. The proxy
 //! dials the upstream but (with `preserve_host`) must present the client's host, and RFC 9113
 //! §8.3.1 forbids a `Host` that differs from `:authority` — servers such as Go's take the host
 //! from `:authority` only. So HTTP/2 connections are kept here, one multiplexed connection per
-//! upstream, and each request's `:authority` is the `Host` it is forwarded with. Everything that
-//! is HTTP/1.1 (plain upstreams, upgrades, TLS upstreams without `h2`) goes through the pooled
-//! client, whose TLS connector offers no ALPN, which servers read as HTTP/1.1.
+//! upstream, and each request's `:authority` is the `Host` it is forwarded with. The rest of
+//! HTTP/1.1 (upgrades, TLS upstreams without `h2`) goes through hyper-util's pooled client, whose
+//! TLS connector offers no ALPN, which servers read as HTTP/1.1.
 //!
 //! SNI and certificate verification use the upstream URL's host, never the client's `Host`.
 
