@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use http::header::HOST;
 use http::uri::{PathAndQuery, Scheme};
-use http::{HeaderValue, Request, Response, Uri, Version};
+use http::{HeaderValue, Method, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
@@ -33,7 +33,8 @@ pub async fn forward(
     let upstream = route.pick_upstream();
     let upgrade = headers::is_upgrade(req.version(), req.headers());
     // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own pool.
-    let plain = !upgrade && upstream.scheme == Scheme::HTTP;
+    // CONNECT keeps its authority-form target, which only the general client sends as it is.
+    let plain = !upgrade && upstream.scheme == Scheme::HTTP && req.method() != Method::CONNECT;
     // Taken before the request is consumed: the client side of a protocol switch.
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
@@ -128,7 +129,8 @@ enum Exchange {
 /// client's path and query (shared, not copied, when there is no base path).
 fn origin_form(upstream: &Upstream, client: &Uri) -> Result<Uri, http::Error> {
     let pq = client.path_and_query();
-    if upstream.base_path.is_empty() {
+    // `OPTIONS *` asks about the server, not a path: it stays `*`.
+    if upstream.base_path.is_empty() || pq.is_some_and(|pq| pq.as_str() == "*") {
         let pq = pq
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));

@@ -9,7 +9,8 @@
 //!
 //! The rules are the usual pool's: last in, first out (the warmest connection, and the cold ones
 //! age out at the bottom); a connection idle longer than [`IDLE_TIMEOUT`] or closed by the upstream
-//! is never handed out; at most [`MAX_IDLE`] are kept. A request that finds its connection closed
+//! is never handed out; at most [`MAX_IDLE`] are kept, and a reaper closes idle ones that aged out
+//! or were closed while no request came. A request that finds its connection closed
 //! before any byte of it was written (the upstream timed the connection out while it sat idle)
 //! goes again on another one, as hyper-util's client does; one whose bytes may have reached the
 //! upstream is never resent.
@@ -39,6 +40,8 @@ pub const MAX_IDLE: usize = 1024;
 /// A request is tried on at most this many pooled connections that turn out closed, then on a
 /// new one.
 const STALE_RETRIES: usize = 4;
+/// How often idle connections are checked while they sit unused.
+const REAP_EVERY: Duration = Duration::from_secs(15);
 
 /// One upstream's idle connections.
 #[derive(Debug)]
@@ -46,6 +49,7 @@ pub struct Host {
     /// `http://authority/`: what the connector dials.
     dial: Uri,
     idle: Mutex<Vec<Idle>>,
+    reaper: std::sync::Once,
 }
 
 struct Idle {
@@ -70,6 +74,7 @@ impl Host {
         Arc::new(Self {
             dial,
             idle: Mutex::new(Vec::new()),
+            reaper: std::sync::Once::new(),
         })
     }
 
@@ -78,7 +83,7 @@ impl Host {
         self.idle.lock().len()
     }
 
-    /// `now`: when the request started (one clock read serves the whole exchange).
+    /// `now`: when the request started (read once for the whole exchange).
     fn checkout(&self, now: Instant) -> Option<http1::SendRequest<Body>> {
         let mut idle = self.idle.lock();
         while let Some(c) = idle.pop() {
@@ -89,11 +94,42 @@ impl Host {
         None
     }
 
-    /// `used_at`: when the request that used it started. Its idle time is counted from then, a
-    /// little early, so a connection is retired before the timeout rather than after.
-    fn checkin(self: &Arc<Self>, sender: http1::SendRequest<Body>, used_at: Instant) {
+    /// Every [`REAP_EVERY`], idle connections that aged out or that the upstream closed are
+    /// dropped, so their sockets do not stay open while no request comes (an upstream that never
+    /// closes idle connections, one removed from the config by a reload). Ends with the host.
+    fn start_reaper(self: &Arc<Self>) {
+        self.reaper.call_once(|| {
+            let host = Arc::downgrade(self);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(REAP_EVERY);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    let Some(host) = host.upgrade() else { return };
+                    host.reap(Instant::now());
+                }
+            });
+        });
+    }
+
+    /// Drops the idle connections that aged out by `now` or that the upstream closed.
+    fn reap(&self, now: Instant) {
+        let stale: Vec<Idle> = {
+            let mut idle = self.idle.lock();
+            let (keep, stale) = std::mem::take(&mut *idle).into_iter().partition(|c| {
+                now.saturating_duration_since(c.since) < IDLE_TIMEOUT && !c.sender.is_closed()
+            });
+            *idle = keep;
+            stale
+        };
+        // Closed outside the lock.
+        drop(stale);
+    }
+
+    fn checkin(self: &Arc<Self>, sender: http1::SendRequest<Body>) {
         if sender.is_ready() {
-            self.push(sender, used_at);
+            self.push(sender);
         } else if !sender.is_closed() {
             // The connection has not yet taken up its next request (its task has not run since
             // the body ended, possible on a multi-threaded runtime): it goes back once it has.
@@ -101,13 +137,15 @@ impl Host {
             let mut sender = sender;
             tokio::spawn(async move {
                 if sender.ready().await.is_ok() {
-                    host.push(sender, used_at);
+                    host.push(sender);
                 }
             });
         }
     }
 
-    fn push(&self, sender: http1::SendRequest<Body>, now: Instant) {
+    /// Idle from now: an exchange can be long (a download, a stream), so its start is no measure.
+    fn push(&self, sender: http1::SendRequest<Body>) {
+        let now = Instant::now();
         let mut idle = self.idle.lock();
         // The oldest are at the bottom: drop the ones that have aged out, a few at a time.
         let stale = idle
@@ -137,7 +175,7 @@ pub async fn send(
             break;
         };
         match sender.try_send_request(req).await {
-            Ok(resp) => return Ok(pooled(resp, sender, host, started)),
+            Ok(resp) => return Ok(pooled(resp, sender, host)),
             Err(mut e) => match e.take_message() {
                 Some(unsent) => req = unsent,
                 None => return Err(UpstreamError::new(e.into_error())),
@@ -147,8 +185,9 @@ pub async fn send(
     // Boxed: a new connection is the rare case, and its state would otherwise be part of every
     // request's future.
     let mut sender = Box::pin(connect(connector, host)).await?;
+    host.start_reaper();
     match sender.try_send_request(req).await {
-        Ok(resp) => Ok(pooled(resp, sender, host, started)),
+        Ok(resp) => Ok(pooled(resp, sender, host)),
         Err(e) => Err(UpstreamError::new(e.into_error())),
     }
 }
@@ -178,16 +217,15 @@ fn pooled(
     resp: Response<Incoming>,
     sender: http1::SendRequest<Body>,
     host: &Arc<Host>,
-    started: Instant,
 ) -> Response<Body> {
     let (parts, body) = resp.into_parts();
     let body = if body.is_end_stream() {
-        host.checkin(sender, started);
+        host.checkin(sender);
         PooledBody { body, back: None }
     } else {
         PooledBody {
             body,
-            back: Some((sender, host.clone(), started)),
+            back: Some((sender, host.clone())),
         }
     };
     Response::from_parts(parts, http_body_util::BodyExt::boxed(body))
@@ -198,13 +236,13 @@ fn pooled(
 /// connection whose response was not read to the end.
 struct PooledBody {
     body: Incoming,
-    back: Option<(http1::SendRequest<Body>, Arc<Host>, Instant)>,
+    back: Option<(http1::SendRequest<Body>, Arc<Host>)>,
 }
 
 impl PooledBody {
     fn give_back(&mut self) {
-        if let Some((sender, host, used_at)) = self.back.take() {
-            host.checkin(sender, used_at);
+        if let Some((sender, host)) = self.back.take() {
+            host.checkin(sender);
         }
     }
 }
@@ -244,5 +282,40 @@ impl Drop for PooledBody {
         if self.body.is_end_stream() {
             self.give_back();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_reaper_drops_idle_connections_the_upstream_closed_or_that_aged_out() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let host = Host::new(&Authority::try_from(addr.to_string()).unwrap());
+        let connector = HttpConnector::new();
+        let mut a = connect(&connector, &host).await.unwrap();
+        let (server_a, _) = listener.accept().await.unwrap();
+        let mut b = connect(&connector, &host).await.unwrap();
+        let (_server_b, _) = listener.accept().await.unwrap();
+        a.ready().await.unwrap();
+        b.ready().await.unwrap();
+        host.push(a);
+        host.push(b);
+        assert_eq!(host.idle(), 2);
+        // The upstream closes one; its connection task sees the end and the reaper drops it.
+        drop(server_a);
+        for _ in 0..200 {
+            host.reap(Instant::now());
+            if host.idle() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(host.idle(), 1);
+        // The other is open but has been idle for the whole timeout.
+        host.reap(Instant::now() + IDLE_TIMEOUT);
+        assert_eq!(host.idle(), 0);
     }
 }
