@@ -44,10 +44,18 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
             h.remove(n);
         }
     }
-    for n in &HOP_BY_HOP {
-        if keep_upgrade && (*n == CONNECTION || *n == UPGRADE) {
-            continue;
+    // Most messages carry none or one of them: one pass over the names present (comparing a
+    // standard name is comparing a number) instead of a hashed removal for each of the nine.
+    let mut present: smallvec::SmallVec<[&'static HeaderName; 4]> = smallvec::SmallVec::new();
+    for name in h.keys() {
+        if let Some(n) = HOP_BY_HOP.iter().find(|n| *n == name)
+            && !(keep_upgrade && (*n == CONNECTION || *n == UPGRADE))
+            && !present.contains(&n)
+        {
+            present.push(n);
         }
+    }
+    for n in present {
         h.remove(n);
     }
     if keep_upgrade {
@@ -100,7 +108,8 @@ pub fn value_of(args: std::fmt::Arguments<'_>) -> Option<HeaderValue> {
 /// Sets `X-Forwarded-For` (the peer appended to what came in), `-Proto` and `-Host`.
 /// `-Proto`/`-Host` from the client are kept only when the peer is a trusted proxy.
 pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto: &'static str) {
-    let peer = peer.to_canonical();
+    let mut buf = [0; crate::key::IP_TEXT_MAX];
+    let peer_text = crate::key::ip_text(peer, &mut buf);
     let xff = match h.get(&XFF).and_then(|v| v.to_str().ok()) {
         Some(prev) if !prev.trim().is_empty() => {
             // Several XFF lines are one comma list (RFC 9110 §5.3).
@@ -109,9 +118,10 @@ pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto:
                 .iter()
                 .filter_map(|v| v.to_str().ok())
                 .collect();
+            let peer = std::str::from_utf8(peer_text).unwrap_or("unknown");
             value_of(format_args!("{}, {peer}", all.join(", ")))
         }
-        _ => value_of(format_args!("{peer}")),
+        _ => HeaderValue::from_bytes(peer_text).ok(),
     };
     if let Some(v) = xff {
         h.insert(&XFF, v);

@@ -135,13 +135,61 @@ pub fn too_many_requests(route: &str, limit: &Limit, r: &Rejection) -> Response<
 /// `RateLimit-Policy: "name";q=COUNT;w=SECONDS` and `RateLimit: "name";r=REMAINING;t=SECONDS`.
 pub fn set_ratelimit(h: &mut HeaderMap, limit: &Limit, info: &HeaderInfo) {
     h.insert(&RATELIMIT_POLICY, limit.policy.clone());
-    let v = super::headers::value_of(format_args!(
-        "\"{}\";r={};t={}",
-        limit.name,
-        info.remaining,
-        ceil_secs(info.reset_after)
-    ));
+    // `"name";r=R;t=T`, written by hand into a stack buffer: this runs on every admitted
+    // response, and the formatter's machinery was a visible part of it.
+    let mut buf = [0u8; 160];
+    let name = limit.name.as_bytes();
+    let v = if name.len() + 48 <= buf.len() {
+        let mut len = 0;
+        for part in [&b"\""[..], name, b"\";r="] {
+            buf[len..len + part.len()].copy_from_slice(part);
+            len += part.len();
+        }
+        len += push_u64(&mut buf[len..], info.remaining);
+        buf[len..len + 3].copy_from_slice(b";t=");
+        len += 3;
+        len += push_u64(&mut buf[len..], ceil_secs(info.reset_after));
+        HeaderValue::from_bytes(&buf[..len]).ok()
+    } else {
+        super::headers::value_of(format_args!(
+            "\"{}\";r={};t={}",
+            limit.name,
+            info.remaining,
+            ceil_secs(info.reset_after)
+        ))
+    };
     if let Some(v) = v {
         h.insert(&RATELIMIT, v);
+    }
+}
+
+/// `n` in decimal at the start of `out` (which has room for 20 digits); returns the length.
+fn push_u64(out: &mut [u8], mut n: u64) -> usize {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let len = digits.len() - i;
+    out[..len].copy_from_slice(&digits[i..]);
+    len
+}
+
+#[cfg(test)]
+mod tests {
+    use super::push_u64;
+
+    #[test]
+    fn decimal_digits_are_written_in_place() {
+        for n in [0, 7, 10, 99, 100, 123_456_789, u64::MAX] {
+            let mut out = [0u8; 20];
+            let len = push_u64(&mut out, n);
+            assert_eq!(&out[..len], n.to_string().as_bytes());
+        }
     }
 }
