@@ -31,7 +31,10 @@ pub async fn forward(
     rt: &Runtime,
 ) -> Response<Body> {
     let upstream = route.pick_upstream();
-    let upgrade = headers::is_upgrade(req.version(), req.headers());
+    // The client gets its own protocol version back, whatever the upstream spoke (an HTTP/1.0
+    // upstream must not turn a keep-alive HTTP/1.1 client connection into a closing one).
+    let client_version = req.version();
+    let upgrade = headers::is_upgrade(client_version, req.headers());
     // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own pool.
     // CONNECT keeps its authority-form target, which only the general client sends as it is.
     let plain = !upgrade && upstream.scheme == Scheme::HTTP && req.method() != Method::CONNECT;
@@ -97,6 +100,7 @@ pub async fn forward(
     match result {
         Ok(Ok(Exchange::Plain(mut resp))) => {
             headers::strip_hop_by_hop(resp.headers_mut(), false);
+            *resp.version_mut() = client_version;
             resp
         }
         Ok(Ok(Exchange::Other(mut resp))) => {
@@ -107,6 +111,7 @@ pub async fn forward(
             }
             let (mut parts, body) = resp.into_parts();
             headers::strip_hop_by_hop(&mut parts.headers, switched);
+            parts.version = client_version;
             Response::from_parts(parts, body.boxed())
         }
         Ok(Err(e)) => {
