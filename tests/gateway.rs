@@ -238,6 +238,9 @@ async fn http2_prior_knowledge_clients_are_served() {
     assert_eq!(r.status(), 200);
     let e = echo(r).await;
     assert_eq!(e["headers"]["host"], g.addr.to_string());
+    // HTTP/2 carries the host in `:authority`; X-Forwarded-Host is set from it all the same.
+    assert_eq!(e["headers"]["x-forwarded-host"], g.addr.to_string());
+    assert_eq!(e["headers"]["x-forwarded-proto"], "http");
 }
 
 const LIMITED: &str = "  - name: users
@@ -403,14 +406,21 @@ async fn on_missing_ip_falls_back_to_the_client_address() {
     let c = client();
     assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
     assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 429);
-    // A user named like the address is a different key.
-    let r = c
-        .get(g.url("/"))
-        .header("x-user", "127.0.0.1")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    // A user named like the address, or like the fallback key itself, is a different key.
+    for user in ["127.0.0.1", "ip 127.0.0.1", "ip:127.0.0.1"] {
+        let r = c
+            .get(g.url("/"))
+            .header("x-user", user)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{user}");
+    }
+    // The fallback key as the README spells it for the admin API.
+    let s: serde_json::Value = g
+        .admin_json("/admin/limits/r/by-user?key=ip+127.0.0.1")
+        .await;
+    assert_eq!(s["remaining"], 0, "{s}");
 }
 
 #[tokio::test]
@@ -518,6 +528,28 @@ async fn dot_segments_are_refused_with_400() {
     s.read_to_string(&mut out).await.unwrap();
     assert!(out.starts_with("HTTP/1.1 400"), "{out}");
     assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
+async fn percent_encoded_letters_reach_the_same_route_limit_and_upstream_path() {
+    let up = Upstream::start().await;
+    let routes = "  - name: login\n    match: { path_prefix: /login }\n    upstream: UPSTREAM\n    limits:\n      - { name: once, key: ip, algorithm: fixed_window, rate: 1/1h, scope: local }\n  - name: rest\n    upstream: UPSTREAM\n";
+    let g = Gateway::start(&yaml(&up.url(), routes)).await;
+    let c = client();
+    let r = c.get(g.url("/login?next=%2F")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let e = echo(r).await;
+    assert_eq!(e["path"], "/login");
+    // Other spellings of the same path are the same route, so the same limit.
+    for spelled in ["/%6cogin", "/%6Cogin", "/l%6fgin/x"] {
+        let r = c.get(g.url(spelled)).send().await.unwrap();
+        assert_eq!(r.status(), 429, "{spelled}");
+    }
+    assert_eq!(up.hits(), 1);
+    // An encoded reserved character is not decoded (it is not the same path).
+    let r = c.get(g.url("/a%2fb")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(echo(r).await["path"], "/a%2Fb");
 }
 
 #[tokio::test]

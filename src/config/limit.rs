@@ -102,6 +102,17 @@ pub(super) fn limit(
                 "burst must be at least 1 (it is how many requests gcra admits at once)",
             ));
         }
+        // The same bound as the rate's: the scripts compute with doubles, and the local gcra
+        // turns burst × emission interval into microseconds, which must not overflow.
+        Some(b) if b.value > LUA_PARAM_MAX => {
+            return Err(Invalid::new(
+                at(&b),
+                format!(
+                    "burst {} is too large: it must stay at most 2^50 ({LUA_PARAM_MAX}) because the Redis scripts compute with doubles",
+                    b.value
+                ),
+            ));
+        }
         Some(b) => b.value,
         None => rate.count,
     };

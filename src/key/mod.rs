@@ -75,7 +75,11 @@ impl KeySpec {
                 },
                 KeyPart::Query(name) => match query_param(req.uri.query(), name) {
                     Some(v) => {
-                        push_escaped(out, v);
+                        // Decoded first: `%61bc` and `abc` are one value to the upstream, so
+                        // they are one key here.
+                        let mut value = smallvec::SmallVec::<[u8; 64]>::new();
+                        value.extend(form_decoded(v));
+                        push_escaped(out, &value);
                         true
                     }
                     None => false,
@@ -85,7 +89,8 @@ impl KeySpec {
                     true
                 }
                 KeyPart::Method => {
-                    out.extend_from_slice(req.method.as_str().as_bytes());
+                    // Escaped: an extension method may contain `|` or `%` (both are tchars).
+                    push_escaped(out, req.method.as_str().as_bytes());
                     true
                 }
                 KeyPart::Route => {
@@ -103,8 +108,9 @@ impl KeySpec {
                     OnMissing::Skip => KeyOutcome::Skip,
                     OnMissing::Reject => KeyOutcome::Reject(part.to_string()),
                     OnMissing::Ip => {
-                        // Prefixed so a user id that looks like an address is a different key.
-                        out.extend_from_slice(b"ip:");
+                        // `ip <address>`: the space is escaped in every value (`%20`), so no
+                        // header or query value, whatever it spells, can make this key.
+                        out.extend_from_slice(b"ip ");
                         push_ip(out, req.client_ip);
                         KeyOutcome::Built
                     }
@@ -164,7 +170,33 @@ pub fn ip_text(ip: IpAddr, buf: &mut [u8; IP_TEXT_MAX]) -> &[u8] {
 fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a [u8]> {
     query?.split('&').find_map(|pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (k == name).then_some(v.as_bytes())
+        form_decoded(k.as_bytes())
+            .eq(name.bytes())
+            .then_some(v.as_bytes())
+    })
+}
+
+/// A query component as a server reads it (`application/x-www-form-urlencoded`): `+` is a space
+/// and `%XX` a byte; a `%` not followed by two hex digits is itself.
+fn form_decoded(raw: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let b = *raw.get(i)?;
+        i += 1;
+        Some(match b {
+            b'+' => b' ',
+            b'%' => match (
+                raw.get(i).and_then(|c| (*c as char).to_digit(16)),
+                raw.get(i + 1).and_then(|c| (*c as char).to_digit(16)),
+            ) {
+                (Some(h), Some(l)) => {
+                    i += 2;
+                    (h * 16 + l) as u8
+                }
+                _ => b'%',
+            },
+            _ => b,
+        })
     })
 }
 
@@ -282,13 +314,59 @@ mod tests {
         spec.on_missing = OnMissing::Ip;
         assert_eq!(
             build(&spec, &parts(&uri, &h)),
-            (KeyOutcome::Built, "ip:10.1.2.3".into())
+            (KeyOutcome::Built, "ip 10.1.2.3".into())
         );
         spec.on_missing = OnMissing::Reject;
         assert_eq!(
             build(&spec, &parts(&uri, &h)).0,
             KeyOutcome::Reject("header:x-user".into())
         );
+    }
+
+    #[test]
+    fn the_on_missing_ip_key_cannot_be_spelled_by_a_value() {
+        let uri: Uri = "/?u=ip+10.1.2.3".parse().unwrap();
+        let spec = KeySpec {
+            parts: vec![KeyPart::Header("x-user".parse().unwrap())],
+            on_missing: OnMissing::Ip,
+        };
+        let fallback = build(&spec, &parts(&uri, &HeaderMap::new())).1;
+        for forged in ["ip 10.1.2.3", "ip:10.1.2.3", "ip%2010.1.2.3"] {
+            let mut h = HeaderMap::new();
+            h.insert("x-user", HeaderValue::from_static(forged));
+            assert_ne!(build(&spec, &parts(&uri, &h)).1, fallback, "{forged}");
+        }
+        let by_query = KeySpec {
+            parts: vec![KeyPart::Query("u".into())],
+            on_missing: OnMissing::Ip,
+        };
+        assert_ne!(
+            build(&by_query, &parts(&uri, &HeaderMap::new())).1,
+            fallback
+        );
+    }
+
+    #[test]
+    fn query_values_and_names_are_keyed_as_the_upstream_decodes_them() {
+        let spec = KeySpec {
+            parts: vec![KeyPart::Query("api_key".into())],
+            on_missing: OnMissing::Skip,
+        };
+        let h = HeaderMap::new();
+        let key = |q: &str| build(&spec, &parts(&q.parse().unwrap(), &h));
+        let plain = key("/?api_key=a%20b");
+        assert_eq!(plain, (KeyOutcome::Built, "a%20b".into()));
+        for same in [
+            "/?api_key=a+b",
+            "/?api_key=%61%20b",
+            "/?api%5Fkey=a%20%62",
+            "/?x=1&api_key=a+b",
+        ] {
+            assert_eq!(key(same), plain, "{same}");
+        }
+        // A `%` that escapes nothing is a literal `%` (escaped in the key as `%25`).
+        assert_eq!(key("/?api_key=100%"), (KeyOutcome::Built, "100%25".into()));
+        assert_eq!(key("/?other=1").0, KeyOutcome::Skip);
     }
 
     #[test]

@@ -61,7 +61,13 @@ pub async fn forward(
         .trusted_proxies
         .iter()
         .any(|n| n.contains(&peer.ip().to_canonical()));
-    headers::set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, proxy.proto);
+    headers::set_forwarded(
+        &mut parts.headers,
+        peer.ip(),
+        peer_trusted,
+        proxy.proto,
+        client_host.as_ref(),
+    );
     match client_host {
         Some(h) if route.preserve_host => {
             parts.headers.insert(HOST, h);

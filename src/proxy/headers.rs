@@ -4,8 +4,7 @@
 use std::net::IpAddr;
 
 use http::header::{
-    CONNECTION, HOST, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING,
-    UPGRADE,
+    CONNECTION, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
 };
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -107,7 +106,15 @@ pub fn value_of(args: std::fmt::Arguments<'_>) -> Option<HeaderValue> {
 
 /// Sets `X-Forwarded-For` (the peer appended to what came in), `-Proto` and `-Host`.
 /// `-Proto`/`-Host` from the client are kept only when the peer is a trusted proxy.
-pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto: &'static str) {
+/// `host`: the host the client asked for (`Host`, or the request target's authority, which is
+/// where HTTP/2 carries it).
+pub fn set_forwarded(
+    h: &mut HeaderMap,
+    peer: IpAddr,
+    peer_trusted: bool,
+    proto: &'static str,
+    host: Option<&HeaderValue>,
+) {
     let mut buf = [0; crate::key::IP_TEXT_MAX];
     let peer_text = crate::key::ip_text(peer, &mut buf);
     let xff = match h.get(&XFF).and_then(|v| v.to_str().ok()) {
@@ -130,8 +137,8 @@ pub fn set_forwarded(h: &mut HeaderMap, peer: IpAddr, peer_trusted: bool, proto:
         h.insert(&XFP, HeaderValue::from_static(proto));
     }
     if !(peer_trusted && h.contains_key(&XFH)) {
-        if let Some(host) = h.get(HOST).cloned() {
-            h.insert(&XFH, host);
+        if let Some(host) = host {
+            h.insert(&XFH, host.clone());
         } else {
             h.remove(&XFH);
         }
@@ -173,13 +180,20 @@ mod tests {
         h.insert("host", HeaderValue::from_static("api.example.com"));
         h.insert("x-forwarded-for", HeaderValue::from_static("1.1.1.1"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        set_forwarded(&mut h, "9.9.9.9".parse().unwrap(), false, "http");
+        let host = h.get(http::header::HOST).cloned();
+        set_forwarded(
+            &mut h,
+            "9.9.9.9".parse().unwrap(),
+            false,
+            "http",
+            host.as_ref(),
+        );
         assert_eq!(h["x-forwarded-for"], "1.1.1.1, 9.9.9.9");
         assert_eq!(h["x-forwarded-proto"], "http");
         assert_eq!(h["x-forwarded-host"], "api.example.com");
         let mut h2 = HeaderMap::new();
         h2.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        set_forwarded(&mut h2, "10.0.0.1".parse().unwrap(), true, "http");
+        set_forwarded(&mut h2, "10.0.0.1".parse().unwrap(), true, "http", None);
         assert_eq!(h2["x-forwarded-proto"], "https");
         assert_eq!(h2["x-forwarded-for"], "10.0.0.1");
     }

@@ -27,7 +27,7 @@ use crate::key::{RequestParts, client_ip};
 use crate::limit::clock::SharedClock;
 use crate::limit::{Context, Verdict};
 use crate::metrics::Metrics;
-use crate::routing::has_dot_segment;
+use crate::routing::{has_dot_segment, normalize_path};
 use crate::runtime::{Route, Runtime};
 
 /// The one body type for everything the proxy sends: upstream bodies and its own.
@@ -61,11 +61,14 @@ impl Proxy {
 
     async fn dispatch(
         &self,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: SocketAddr,
         id: &http::HeaderValue,
     ) -> Response<Body> {
         let started = Instant::now();
+        if let Some(uri) = normalize_path(req.uri()) {
+            *req.uri_mut() = uri;
+        }
         let rt = self.runtime.load_full();
         let host = req
             .headers()

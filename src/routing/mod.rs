@@ -4,7 +4,7 @@
 //! compare case-insensitively without the port, and methods are a small set. Nothing is parsed
 //! or allocated per request.
 
-use http::Method;
+use http::{Method, Uri};
 
 use crate::config::{PathMatch, RouteMatch};
 
@@ -69,6 +69,67 @@ impl RouteTable {
         self.matchers
             .iter()
             .position(|m| m.matches(method, host, path))
+    }
+}
+
+/// The request target with percent-encoded unreserved characters (`A-Z a-z 0-9 - . _ ~`)
+/// decoded and every other escape's hex digits upper-cased (RFC 3986 §6.2.2.1–2); `None` when the
+/// path is already normal. Routing, keys, the dot-segment check and the upstream all see this one
+/// spelling: otherwise `/%6Cogin` would miss the `/login` route (and its limits) and still reach
+/// `/login` at an upstream that decodes it. Reserved characters stay encoded (`%2F` is not `/`).
+pub fn normalize_path(uri: &Uri) -> Option<Uri> {
+    let path = uri.path();
+    if !path.contains('%') {
+        return None;
+    }
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len() + uri.query().map_or(0, |q| q.len() + 1));
+    let mut changed = false;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let (Some(h), Some(l)) = (
+                bytes.get(i + 1).and_then(|c| hex_value(*c)),
+                bytes.get(i + 2).and_then(|c| hex_value(*c)),
+            )
+        {
+            let decoded = h << 4 | l;
+            if decoded.is_ascii_alphanumeric() || b"-._~".contains(&decoded) {
+                out.push(char::from(decoded));
+                changed = true;
+            } else {
+                let upper = [
+                    b'%',
+                    bytes[i + 1].to_ascii_uppercase(),
+                    bytes[i + 2].to_ascii_uppercase(),
+                ];
+                changed |= upper[1] != bytes[i + 1] || upper[2] != bytes[i + 2];
+                out.push_str(std::str::from_utf8(&upper).unwrap_or("%"));
+            }
+            i += 3;
+            continue;
+        }
+        out.push(char::from(bytes[i]));
+        i += 1;
+    }
+    if !changed {
+        return None;
+    }
+    if let Some(q) = uri.query() {
+        out.push('?');
+        out.push_str(q);
+    }
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(http::uri::PathAndQuery::try_from(out).ok()?);
+    Uri::from_parts(parts).ok()
+}
+
+fn hex_value(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
     }
 }
 
@@ -150,6 +211,19 @@ mod tests {
         assert!(has_dot_segment("/api/%2E%2e/admin"));
         assert!(has_dot_segment("/."));
         assert!(!has_dot_segment("/api/..x/a.b"));
+    }
+
+    #[test]
+    fn unreserved_escapes_are_decoded_and_others_upper_cased() {
+        let n = |u: &str| normalize_path(&u.parse::<Uri>().unwrap()).map(|u| u.to_string());
+        assert_eq!(n("/%6cogin").as_deref(), Some("/login"));
+        assert_eq!(n("/l%6Fgin/%7Ex?a=%6c").as_deref(), Some("/login/~x?a=%6c"));
+        assert_eq!(n("/a%2fb").as_deref(), Some("/a%2Fb"));
+        assert_eq!(n("/%2E%2e/x").as_deref(), Some("/../x"));
+        assert_eq!(n("/a%2Fb"), None);
+        assert_eq!(n("/plain?q=%6c"), None);
+        assert_eq!(n("/bad%zz%4"), None);
+        assert_eq!(n("http://h:1/%61?x=1").as_deref(), Some("http://h:1/a?x=1"));
     }
 
     /// Against the plain definition (decode `%2e` either case, compare with `.` and `..`) for

@@ -231,6 +231,20 @@ fn rates_beyond_double_precision() {
 }
 
 #[test]
+fn burst_beyond_double_precision() {
+    assert_eq!(
+        ok(&with_limit(&["rate: 1/1s", "burst: 1125899906842624"])).routes[0].limits[0].burst,
+        1 << 50
+    );
+    assert_err(
+        &with_limit(&["rate: 1/1s", "burst: 18446744073709551615"]),
+        7,
+        16,
+        "burst 18446744073709551615 is too large",
+    );
+}
+
+#[test]
 fn gcra_finer_than_a_microsecond() {
     assert_err(
         &with_limit(&["rate: 2000001/2s"]),
