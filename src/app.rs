@@ -49,6 +49,38 @@ pub struct Options {
     pub admin: Option<SocketAddr>,
 }
 
+/// The listeners stay bound where they are across a reload (moving them takes a restart, as
+/// turning TLS on or off does): a changed address in the file is reported, and the new config
+/// keeps naming the addresses really served.
+fn keep_listeners(cfg: &mut Config, running: &Config, options: &Options) {
+    for (what, new, old, overridden) in [
+        (
+            "server.listen",
+            &mut cfg.server.listen,
+            running.server.listen,
+            options.listen.is_some(),
+        ),
+        (
+            "server.admin",
+            &mut cfg.server.admin,
+            running.server.admin,
+            options.admin.is_some(),
+        ),
+    ] {
+        // Port 0 (any free port) was resolved at start-up; it is no change.
+        let same = *new == old || (new.port() == 0 && new.ip() == old.ip());
+        if !same && !overridden {
+            tracing::warn!(
+                setting = what,
+                file = %new,
+                serving = %old,
+                "the listener address changed in the file; it takes a restart, until then the old address is served"
+            );
+        }
+        *new = old;
+    }
+}
+
 /// State shared by the proxy, the admin API and the background tasks.
 pub struct Shared {
     pub proxy: Arc<Proxy>,
@@ -72,8 +104,9 @@ impl Shared {
         };
         let result = config::load(path);
         match result {
-            Ok(cfg) => {
+            Ok(mut cfg) => {
                 let old = self.proxy.runtime.load_full();
+                keep_listeners(&mut cfg, &old.config, &self.options);
                 let rt = Runtime::build(cfg, &self.proxy.metrics, Some(&old));
                 self.proxy.runtime.store(Arc::new(rt));
                 self.proxy.metrics.reload(true);
@@ -168,7 +201,7 @@ impl App {
     /// Binds both listeners (addresses from the options, else the config) and builds the
     /// pipeline. Nothing is served until [`App::run`].
     pub async fn bind(
-        config: Config,
+        mut config: Config,
         options: Options,
         clock: SharedClock,
     ) -> Result<Self, AppError> {
@@ -186,6 +219,14 @@ impl App {
                 addr: admin,
                 source,
             })?;
+        // The running config names the addresses really served (the command line's, port 0
+        // resolved), which `/admin/config` shows and reloads keep.
+        if let Ok(a) = proxy_listener.local_addr() {
+            config.server.listen = a;
+        }
+        if let Ok(a) = admin_listener.local_addr() {
+            config.server.admin = a;
+        }
         let metrics = Arc::new(Metrics::new());
         let runtime = Runtime::build(config, &metrics, None);
         if let Some(redis) = &runtime.redis {

@@ -147,6 +147,27 @@ async fn state_of_unchanged_limits_survives_a_reload() {
 }
 
 #[tokio::test]
+async fn a_changed_listen_address_keeps_the_running_one_and_says_so_in_the_config() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "100/1h")).await;
+    let c = client();
+    let before: serde_json::Value = g.admin_json("/admin/config").await;
+    assert_eq!(before["server"]["listen"], g.addr.to_string());
+    // Another address in the file: applied on the next restart, not by a reload.
+    let free = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let moved = cfg(&up.url(), "100/1h").replace("listen: 127.0.0.1:0", &format!("listen: {free}"));
+    std::fs::write(&g.config_path, moved).unwrap();
+    let r = c.post(g.admin_url("/admin/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+    let after: serde_json::Value = g.admin_json("/admin/config").await;
+    assert_eq!(after["server"]["listen"], g.addr.to_string());
+}
+
+#[tokio::test]
 async fn a_hundred_reloads_under_load_fail_no_request() {
     let up = Upstream::start().await;
     let g = Arc::new(Gateway::start(&cfg(&up.url(), "1000000/1s")).await);
