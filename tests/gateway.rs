@@ -553,6 +553,31 @@ async fn percent_encoded_letters_reach_the_same_route_limit_and_upstream_path() 
 }
 
 #[tokio::test]
+async fn request_duration_covers_the_whole_response_body_and_unmatched_requests() {
+    let up = Upstream::start().await;
+    let routes = "  - name: api\n    match: { path_prefix: /late-body }\n    upstream: UPSTREAM\n";
+    let g = Gateway::start(&yaml(&up.url(), routes)).await;
+    let c = client();
+    let r = c.get(g.url("/late-body?ms=400")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "late\n");
+    assert_eq!(c.get(g.url("/nowhere")).send().await.unwrap().status(), 404);
+    let m = g.metrics().await;
+    let sum = metric(&m, "tollgate_request_duration_seconds_sum{route=\"api\"}").unwrap();
+    assert!(sum >= 0.4, "request duration {sum} s stops before the body");
+    let upstream = metric(&m, "tollgate_upstream_duration_seconds_sum{route=\"api\"}").unwrap();
+    assert!(
+        upstream < 0.4,
+        "upstream duration {upstream} s is to the response head"
+    );
+    let unmatched = metric(
+        &m,
+        "tollgate_request_duration_seconds_count{route=\"_unmatched\"}",
+    );
+    assert_eq!(unmatched, Some(1.0));
+}
+
+#[tokio::test]
 async fn upgrade_requests_pass_through_both_ways_after_the_limit_decision() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = Upstream::start().await;

@@ -26,7 +26,7 @@ use hyper::body::Incoming;
 use crate::key::{RequestParts, client_ip};
 use crate::limit::clock::SharedClock;
 use crate::limit::{Context, Verdict};
-use crate::metrics::Metrics;
+use crate::metrics::{Histogram, Metrics};
 use crate::routing::{has_dot_segment, normalize_path};
 use crate::runtime::{Route, Runtime};
 
@@ -79,17 +79,15 @@ impl Proxy {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
             tracing::debug!(request_id = id.to_str().unwrap_or("-"), method = %req.method(), status = 404, "no route");
-            return resp;
+            return timed(resp, started, &rt.unmatched.request_duration);
         };
         let route = &rt.routes[idx];
         let method = req.method().clone();
         let resp = self.handle_route(&rt, route, req, peer, id).await;
         let status = resp.status().as_u16();
         route.metrics.request(status);
-        let elapsed = started.elapsed();
-        route.metrics.request_duration.observe(elapsed);
-        tracing::debug!(request_id = id.to_str().unwrap_or("-"), route = %route.name, %method, status, ?elapsed, "request");
-        resp
+        tracing::debug!(request_id = id.to_str().unwrap_or("-"), route = %route.name, %method, status, head_after = ?started.elapsed(), "request");
+        timed(resp, started, &route.metrics.request_duration)
     }
 
     async fn handle_route(
@@ -182,6 +180,70 @@ impl Proxy {
             response::set_ratelimit(resp.headers_mut(), &limits.limits[info.limit], &info);
         }
         resp
+    }
+}
+
+/// `tollgate_request_duration_seconds` covers the whole request: until the response body has
+/// been sent (or the client went away), not just until its head. A body that is already over
+/// is observed at once; any other is wrapped to observe at its end.
+fn timed(resp: Response<Body>, started: Instant, hist: &Histogram) -> Response<Body> {
+    if http_body::Body::is_end_stream(resp.body()) {
+        hist.observe(started.elapsed());
+        return resp;
+    }
+    resp.map(|body| {
+        http_body_util::BodyExt::boxed(Timed {
+            body,
+            started,
+            hist: Some(hist.clone()),
+        })
+    })
+}
+
+struct Timed {
+    body: Body,
+    started: Instant,
+    /// Taken when observed, so a request is observed once.
+    hist: Option<Histogram>,
+}
+
+impl Timed {
+    fn observe(&mut self) {
+        if let Some(h) = self.hist.take() {
+            h.observe(self.started.elapsed());
+        }
+    }
+}
+
+impl http_body::Body for Timed {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => self.observe(),
+            std::task::Poll::Ready(Some(Ok(_))) if self.body.is_end_stream() => self.observe(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        self.observe();
     }
 }
 

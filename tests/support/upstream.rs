@@ -4,7 +4,8 @@
 //! and the request body's length (counted while streaming, never buffered); `/slow?ms=N` waits
 //! N ms first; `/stream?bytes=N` streams N bytes back in 64 KiB chunks; `/first-chunk` answers as
 //! soon as the first body chunk arrived (proves the gateway streams request bodies);
-//! `/hop` answers with hop-by-hop headers that the gateway must remove.
+//! `/hop` answers with hop-by-hop headers that the gateway must remove; `/late-body?ms=N` sends
+//! its head at once and its body N ms later.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -138,6 +139,15 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
     if path.starts_with("/slow") {
         let ms = query(&req, "ms").unwrap_or(1000);
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if path.starts_with("/late-body") {
+        // The head at once, the body `ms` later.
+        let ms = query(&req, "ms").unwrap_or(100);
+        let stream = futures_util::stream::once(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"late\n")))
+        });
+        return Ok(Response::new(BodyExt::boxed(StreamBody::new(stream))));
     }
     if path.starts_with("/stream") {
         let total = query(&req, "bytes").unwrap_or(1 << 20) as usize;
