@@ -31,7 +31,8 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    #[error("cannot listen on {addr}: {source}")]
+    /// The cause is the error's source, which `main` prints after it (`{:#}`).
+    #[error("cannot listen on {addr}")]
     Bind {
         addr: SocketAddr,
         source: std::io::Error,

@@ -96,3 +96,25 @@ fn run_with_a_bad_file_exits_1_without_serving() {
     assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{}:1:", path.display())));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn run_on_a_busy_port_exits_1_naming_the_address_and_the_cause_once() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let out = tollgate()
+        .args([
+            "run",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml"),
+            "--listen",
+            &addr,
+            "--admin",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "{err}");
+}
