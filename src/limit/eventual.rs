@@ -12,9 +12,12 @@
 //! Windows are aligned to Redis's clock (the offset to it is learned from every sync reply), so
 //! all instances count into the same window counters.
 //!
-//! Bound: an instance can only be unaware of what the others admitted since their last push,
-//! so with N instances the total admitted in a window is at most `COUNT` plus what the other
-//! N − 1 instances admit within one `sync_interval` (and never more than N × `COUNT`).
+//! Bound: for keys every instance already syncs, an instance can only be unaware of what the
+//! others admitted since their last push, so with N instances the total admitted in a window is
+//! at most `COUNT` plus what the other N − 1 instances admit within one `sync_interval`. A key an
+//! instance has not seen this window is decided from nothing until its first sync of it (one
+//! interval later), so a client moving between instances can get about `COUNT` more; the hard
+//! ceiling is N × `COUNT` (see the README).
 //!
 //! A failed sync loses nothing: the unpushed units stay and are pushed by the next sync that
 //! succeeds; meanwhile each instance keeps deciding with what it knows.
