@@ -152,6 +152,11 @@ impl Shared {
     ) -> Result<(Snapshot, &'static str), String> {
         let now = self.proxy.clock.now();
         let rt = self.proxy.runtime.load_full();
+        // An eventual limit is decided here, on counts synced with Redis: its state is this
+        // instance's view of them (the strict key in Redis is never written for it).
+        if let Some(ev) = &limit.eventual {
+            return Ok((ev.peek(&limit.algorithm, key, now), "eventual"));
+        }
         if limit.scope == Scope::Global
             && let Some(redis) = &rt.redis
         {

@@ -78,6 +78,10 @@ async fn one_instance_is_exact_and_its_counts_reach_redis() {
         ok += usize::from(c.get(g.url("/")).send().await.unwrap().status() == 200);
     }
     assert_eq!(ok, 10);
+    // The admin API shows the state the instance decides with: used up.
+    let s: serde_json::Value = g.admin_json("/admin/limits/one/ev?key=k").await;
+    assert_eq!(s["remaining"], 0, "{s}");
+    assert_eq!(s["store"], "eventual", "{s}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(counter(&redis, "one"), 10);
     let ttl: i64 = redis

@@ -143,6 +143,19 @@ impl EventualStore {
         algorithm.check(&c.state(algorithm), now, cost)
     }
 
+    /// The key's state as this instance decides it now (learned totals plus its own unpushed
+    /// units), for the admin API.
+    pub fn peek(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros) -> Snapshot {
+        let now = self.redis_now(local_now);
+        let p = period(algorithm);
+        let w = now - now % p;
+        let hash = self.map.hash(key);
+        let shard = self.map.lock(hash);
+        let mut c = shard.get(hash, key, now).copied().unwrap_or_default();
+        c.roll(w, p);
+        algorithm.peek(&c.state(algorithm), now)
+    }
+
     /// Charges `cost` to `key` (after every limit of the request admitted).
     pub fn commit(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros, cost: u64) {
         let now = self.redis_now(local_now);
