@@ -412,18 +412,25 @@ async fn sync_limit(
         .store(now, std::sync::atomic::Ordering::Relaxed);
     let clock = &shared.proxy.clock;
     let period = l.algorithm.quota().period;
-    // Two periods: after that no decision reads a window's counter.
-    let ttl_ms = (2 * period).div_ceil(1000) + 1000;
+    // How long after its start a window's counter is read: a fixed window only during itself,
+    // a sliding window's also as the previous window of the next one.
+    let life = match l.algorithm {
+        crate::limit::algorithm::Algorithm::SlidingWindow(_) => 2 * period,
+        _ => period,
+    };
     let items = ev.due(now);
     let calls = items.iter().map(|it| async move {
         let sent = clock.now();
         let r = redis
             .sync_counts(
-                l.eventual_key(&it.key, it.ws),
-                l.eventual_key(&it.key, it.ws.saturating_sub(period)),
-                it.push_curr,
-                it.push_prev,
-                ttl_ms,
+                (
+                    l.eventual_key(&it.key, it.ws),
+                    l.eventual_key(&it.key, it.ws.saturating_sub(period)),
+                ),
+                (it.push_curr, it.push_prev),
+                it.ws,
+                life,
+                period,
             )
             .await;
         (it, sent, r)

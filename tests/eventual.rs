@@ -91,6 +91,23 @@ async fn one_instance_is_exact_and_its_counts_reach_redis() {
         .next()
         .unwrap();
     assert!(ttl > 0, "window counters expire");
+    // ...when the day's window ends (its state is full then), not later. Redis's clock is read
+    // first, so the PTTL read after it can only be smaller.
+    let time = redis.cli(&["TIME"]);
+    let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+    let now_us = parts.next().unwrap() * 1_000_000 + parts.next().unwrap();
+    let day_us = 86_400_000_000;
+    let window_left_ms = (day_us - now_us % day_us).div_ceil(1000) as i64;
+    let ttl: i64 = redis
+        .cli(&["--scan", "--pattern", "tg:{one/ev/k}:ev:*"])
+        .lines()
+        .map(|k| redis.cli(&["PTTL", k]).parse().unwrap())
+        .next()
+        .unwrap();
+    assert!(
+        ttl <= window_left_ms + 1,
+        "counter PTTL {ttl} ms outlives its window ({window_left_ms} ms left)"
+    );
 }
 
 /// Three instances, each sent `rate` requests per second for `secs`; returns total admitted.

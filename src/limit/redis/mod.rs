@@ -541,15 +541,16 @@ impl RedisStore {
     }
 
     /// Eventual consistency: adds this instance's unpushed counts to the window counters
-    /// `curr_key` (window W) and `prev_key` (W − period) and returns their totals and the
-    /// server time, in one script call (both keys share the limit's hash tag).
+    /// `curr_key` (window `ws`) and `prev_key` (`ws` − period) and returns their totals and the
+    /// server time, in one script call (both keys share the limit's hash tag). A counter
+    /// written expires `life` after its window's start (Redis time): when no decision reads it.
     pub async fn sync_counts(
         &self,
-        curr_key: String,
-        prev_key: String,
-        push_curr: u64,
-        push_prev: u64,
-        ttl_ms: u64,
+        (curr_key, prev_key): (String, String),
+        (push_curr, push_prev): (u64, u64),
+        ws: Micros,
+        life: Micros,
+        period: Micros,
     ) -> Result<(u64, u64, Micros), RedisError> {
         self.inner.check_breaker()?;
         let arg = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -558,7 +559,13 @@ impl RedisStore {
             .eval(
                 &self.inner.scripts.sync,
                 vec![curr_key, prev_key],
-                vec![arg(push_curr), arg(push_prev), arg(ttl_ms)],
+                vec![
+                    arg(push_curr),
+                    arg(push_prev),
+                    arg(ws),
+                    arg(life),
+                    arg(period),
+                ],
             )
             .await?;
         match reply[..] {
