@@ -59,6 +59,16 @@ fn counter(redis: &RedisServer, route: &str) -> u64 {
         .sum()
 }
 
+/// PTTL in ms of the route's (first) window counter.
+fn counter_pttl(redis: &RedisServer, route: &str) -> i64 {
+    redis
+        .cli(&["--scan", "--pattern", &format!("tg:{{{route}/ev/k}}:ev:*")])
+        .lines()
+        .map(|k| redis.cli(&["PTTL", k]).parse().unwrap())
+        .next()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn one_instance_is_exact_and_its_counts_reach_redis() {
     let redis = RedisServer::start();
@@ -84,12 +94,7 @@ async fn one_instance_is_exact_and_its_counts_reach_redis() {
     assert_eq!(s["store"], "eventual", "{s}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(counter(&redis, "one"), 10);
-    let ttl: i64 = redis
-        .cli(&["--scan", "--pattern", "tg:{one/ev/k}:ev:*"])
-        .lines()
-        .map(|k| redis.cli(&["PTTL", k]).parse().unwrap())
-        .next()
-        .unwrap();
+    let ttl = counter_pttl(&redis, "one");
     assert!(ttl > 0, "window counters expire");
     // ...when the day's window ends (its state is full then), not later. Redis's clock is read
     // first, so the PTTL read after it can only be smaller.
@@ -98,12 +103,7 @@ async fn one_instance_is_exact_and_its_counts_reach_redis() {
     let now_us = parts.next().unwrap() * 1_000_000 + parts.next().unwrap();
     let day_us = 86_400_000_000;
     let window_left_ms = (day_us - now_us % day_us).div_ceil(1000) as i64;
-    let ttl: i64 = redis
-        .cli(&["--scan", "--pattern", "tg:{one/ev/k}:ev:*"])
-        .lines()
-        .map(|k| redis.cli(&["PTTL", k]).parse().unwrap())
-        .next()
-        .unwrap();
+    let ttl = counter_pttl(&redis, "one");
     assert!(
         ttl <= window_left_ms + 1,
         "counter PTTL {ttl} ms outlives its window ({window_left_ms} ms left)"

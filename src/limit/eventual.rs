@@ -133,19 +133,19 @@ impl EventualStore {
         local_now: Micros,
         cost: u64,
     ) -> Result<Snapshot, Rejection> {
-        let now = self.redis_now(local_now);
-        let p = period(algorithm);
-        let w = now - now % p;
-        let hash = self.map.hash(key);
-        let shard = self.map.lock(hash);
-        let mut c = shard.get(hash, key, now).copied().unwrap_or_default();
-        c.roll(w, p);
-        algorithm.check(&c.state(algorithm), now, cost)
+        let (state, now) = self.state_now(algorithm, key, local_now);
+        algorithm.check(&state, now, cost)
     }
 
     /// The key's state as this instance decides it now (learned totals plus its own unpushed
     /// units), for the admin API.
     pub fn peek(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros) -> Snapshot {
+        let (state, now) = self.state_now(algorithm, key, local_now);
+        algorithm.peek(&state, now)
+    }
+
+    /// The key's counts rolled to the current window, as algorithm state, and Redis's now.
+    fn state_now(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros) -> (State, Micros) {
         let now = self.redis_now(local_now);
         let p = period(algorithm);
         let w = now - now % p;
@@ -153,7 +153,7 @@ impl EventualStore {
         let shard = self.map.lock(hash);
         let mut c = shard.get(hash, key, now).copied().unwrap_or_default();
         c.roll(w, p);
-        algorithm.peek(&c.state(algorithm), now)
+        (c.state(algorithm), now)
     }
 
     /// Charges `cost` to `key` (after every limit of the request admitted).
