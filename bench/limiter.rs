@@ -87,6 +87,20 @@ fn ip_key(i: usize, buf: &mut [u8; 16]) -> &[u8] {
     &buf[..len]
 }
 
+/// One local decision on key `i` (built as [`ip_key`] builds it) at `now`.
+fn decide_ip(store: &LocalStore, alg: &Algorithm, i: usize, now: Micros) -> bool {
+    let mut buf = [0; 16];
+    let check = [LocalCheck {
+        store,
+        algorithm: alg,
+        key: ip_key(i, &mut buf),
+        cost: 1,
+        max_delay: 0,
+        shadow: false,
+    }];
+    local::decide(black_box(&check), now).0
+}
+
 fn store(c: &mut Criterion) {
     let mut group = c.benchmark_group("store");
     let alg = Algorithm::Gcra(Gcra::new(Quota {
@@ -98,16 +112,7 @@ fn store(c: &mut Criterion) {
         let store = LocalStore::new();
         // Fill the store first, so the measurement is of lookups in a store of n keys.
         for i in 0..n {
-            let mut buf = [0; 16];
-            let check = [LocalCheck {
-                store: &store,
-                algorithm: &alg,
-                key: ip_key(i, &mut buf),
-                cost: 1,
-                max_delay: 0,
-                shadow: false,
-            }];
-            local::decide(&check, 1);
+            decide_ip(&store, &alg, i, 1);
         }
         let mut i = 0usize;
         let mut now: Micros = 1;
@@ -117,16 +122,7 @@ fn store(c: &mut Criterion) {
                 // (the worst case: each decision a cache and TLB miss once n outgrows the caches).
                 i = (i + 7_919) % n;
                 now += 1;
-                let mut buf = [0; 16];
-                let check = [LocalCheck {
-                    store: &store,
-                    algorithm: &alg,
-                    key: ip_key(i, &mut buf),
-                    cost: 1,
-                    max_delay: 0,
-                    shadow: false,
-                }];
-                black_box(local::decide(black_box(&check), now).0)
+                black_box(decide_ip(&store, &alg, i, now))
             });
         });
         if n == 1_000_000 {
@@ -138,16 +134,7 @@ fn store(c: &mut Criterion) {
                     let r = (x >> 33) as usize;
                     let k = if r % 10 < 9 { r % (n / 100) } else { r % n };
                     now += 1;
-                    let mut buf = [0; 16];
-                    let check = [LocalCheck {
-                        store: &store,
-                        algorithm: &alg,
-                        key: ip_key(k, &mut buf),
-                        cost: 1,
-                        max_delay: 0,
-                        shadow: false,
-                    }];
-                    black_box(local::decide(black_box(&check), now).0)
+                    black_box(decide_ip(&store, &alg, k, now))
                 });
             });
         }
