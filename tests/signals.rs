@@ -29,27 +29,18 @@ async fn start(upstream: &str, rate: &str) -> Proc {
     Proc::start(&routes(upstream, rate), &[], &[], false).await
 }
 
+/// The status of `GET /` on the gateway at `proxy`.
+async fn status(c: &reqwest::Client, proxy: &str) -> reqwest::StatusCode {
+    c.get(format!("{proxy}/")).send().await.unwrap().status()
+}
+
 #[tokio::test]
 async fn sighup_reloads_the_file() {
     let up = Upstream::start().await;
     let p = start(&up.url(), "1/1h").await;
     let c = client();
-    assert_eq!(
-        c.get(format!("{}/", p.proxy))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    assert_eq!(
-        c.get(format!("{}/", p.proxy))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        429
-    );
+    assert_eq!(status(&c, &p.proxy).await, 200);
+    assert_eq!(status(&c, &p.proxy).await, 429);
     let text = std::fs::read_to_string(&p.path)
         .unwrap()
         .replace("1/1h", "1/1s");
@@ -132,14 +123,7 @@ routes:
     );
     let mut p = Proc::start(&yaml, &[], &[], false).await;
     let c = client();
-    assert_eq!(
-        c.get(format!("{}/", p.proxy))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(status(&c, &p.proxy).await, 200);
     // The next slot is 500 ms away: this request waits for it.
     let waiting = tokio::spawn({
         let (c, url) = (c.clone(), format!("{}/", p.proxy));

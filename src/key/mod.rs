@@ -186,12 +186,12 @@ fn form_decoded(raw: &[u8]) -> impl Iterator<Item = u8> + '_ {
         Some(match b {
             b'+' => b' ',
             b'%' => match (
-                raw.get(i).and_then(|c| (*c as char).to_digit(16)),
-                raw.get(i + 1).and_then(|c| (*c as char).to_digit(16)),
+                raw.get(i).and_then(|c| crate::routing::hex_value(*c)),
+                raw.get(i + 1).and_then(|c| crate::routing::hex_value(*c)),
             ) {
                 (Some(h), Some(l)) => {
                     i += 2;
-                    (h * 16 + l) as u8
+                    h << 4 | l
                 }
                 _ => b'%',
             },

@@ -124,13 +124,9 @@ pub fn normalize_path(uri: &Uri) -> Option<Uri> {
     Uri::from_parts(parts).ok()
 }
 
-fn hex_value(c: u8) -> Option<u8> {
-    match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    }
+/// One hex digit's value (percent-encoding, here and in `key`).
+pub(crate) fn hex_value(c: u8) -> Option<u8> {
+    char::from(c).to_digit(16).map(|d| d as u8)
 }
 
 /// Paths with dot segments (plain or percent-encoded) could match one route's prefix and reach
