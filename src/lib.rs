@@ -7,6 +7,7 @@
 //! endpoints on their own listener.
 
 pub mod admin;
+pub mod alloc;
 pub mod app;
 pub mod config;
 pub mod http;

@@ -8,6 +8,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use tollgate::app::{App, Options};
 
+/// Large key tables on transparent huge pages (see `tollgate::alloc`).
+#[global_allocator]
+static ALLOC: tollgate::alloc::HugePages = tollgate::alloc::HugePages;
+
 #[derive(Parser)]
 #[command(
     name = "tollgate",

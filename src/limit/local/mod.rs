@@ -16,7 +16,7 @@ pub mod sharded;
 use smallvec::SmallVec;
 
 use super::algorithm::{Algorithm, Micros, Rejection, Snapshot, State};
-use sharded::{Shard, Sharded};
+use sharded::{Found, Shard, Sharded};
 
 /// The state of one local limit's keys. An entry expires at its `full_at`: from then on it is
 /// indistinguishable from a fresh key, so dropping it loses nothing.
@@ -64,8 +64,9 @@ impl LocalStore {
 
 /// Applies an admitted decision in place (no clone of the state, which for sliding_log is a
 /// whole log).
-fn commit(shard: &mut Shard<State>, hash: u64, c: &LocalCheck<'_>, now: Micros) {
-    shard.update(
+fn commit(shard: &mut Shard<State>, found: Found, hash: u64, c: &LocalCheck<'_>, now: Micros) {
+    shard.update_found(
+        found,
         hash,
         c.key,
         now,
@@ -112,14 +113,16 @@ fn decide_inner(
     now: Micros,
     charge: bool,
 ) -> (bool, SmallVec<[LocalVerdict; 4]>) {
-    let hashes: SmallVec<[u64; 4]> = checks.iter().map(|c| c.store.map.hash(c.key)).collect();
-    let mut guards: SmallVec<[_; 4]> = SmallVec::new();
+    // Each check's shard guard, with where its key sits and its hash, for the commit.
+    let mut held: SmallVec<[_; 4]> = SmallVec::new();
     let mut verdicts: SmallVec<[LocalVerdict; 4]> = SmallVec::new();
     let mut all = true;
-    for (c, &hash) in checks.iter().zip(&hashes) {
+    for c in checks {
+        let hash = c.store.map.hash(c.key);
         let guard = c.store.map.lock(hash);
         let fresh;
-        let state = match guard.get(hash, c.key, now) {
+        let found = guard.find(hash, c.key);
+        let state = match guard.live_at(found, now) {
             Some(state) => state,
             None => {
                 fresh = c.algorithm.new_state();
@@ -133,12 +136,12 @@ fn decide_inner(
         };
         all &= v.is_ok() || c.shadow;
         verdicts.push(v);
-        guards.push(guard);
+        held.push((guard, found, hash));
     }
     if all && charge {
-        for (i, guard) in guards.iter_mut().enumerate() {
-            if verdicts[i].is_ok() {
-                commit(guard, hashes[i], &checks[i], now);
+        for ((guard, found, hash), (c, v)) in held.iter_mut().zip(checks.iter().zip(&verdicts)) {
+            if v.is_ok() {
+                commit(guard, *found, *hash, c, now);
             }
         }
     }

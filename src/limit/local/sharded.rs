@@ -8,7 +8,6 @@
 
 use std::hash::BuildHasher;
 
-use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
@@ -23,7 +22,7 @@ type KeyBuf = SmallVec<[u8; 16]>;
 
 /// One cache line per entry: key (24 bytes with smallvec's `union`), state (32) and expiry fill
 /// 64 bytes for every algorithm (the log is boxed), and the alignment keeps an entry from
-/// straddling two lines, so a decision on a cold key misses the cache once for it, not twice.
+/// straddling two lines. `Option` costs nothing: it lives in the state's enum tag.
 #[repr(align(64))]
 struct Entry<V> {
     key: KeyBuf,
@@ -31,23 +30,70 @@ struct Entry<V> {
     expires_at: Micros,
 }
 
+/// Where a key sits in a shard's table, as found by [`Shard::find`]: its slot when present
+/// (live or expired), nothing when absent. Valid until the table is changed.
+pub type Found = Option<usize>;
+
+/// An open-addressing table with linear probing over the entries themselves.
+///
+/// Why not a SwissTable (hashbrown): its control bytes live apart from the entries, so a
+/// decision on a cold key missed the cache twice, once in each array. Here the first slot
+/// probed is, most of the time, the entry itself: one miss. The table is kept at most half
+/// full, so a probe rarely reads a second line, and that line is the adjacent one, which the
+/// hardware prefetches. Expired entries stay in place (they keep probe chains intact) and are
+/// reused by inserts; [`Shard::retain_live`] and growth drop them.
 pub struct Shard<V> {
-    table: HashTable<Entry<V>>,
-    /// The same seed as every other shard's: rehashing on growth needs it.
+    slots: Vec<Option<Entry<V>>>,
+    /// Occupied slots, live or expired.
+    used: usize,
+    /// The same seed as every other shard's: rebuilding needs it.
     hasher: foldhash::fast::RandomState,
 }
 
+const MIN_SLOTS: usize = 8;
+
 impl<V> Shard<V> {
-    /// The live value of `key` at `now`.
-    pub fn get(&self, hash: u64, key: &[u8], now: Micros) -> Option<&V> {
-        self.table
-            .find(hash, |e| *e.key == *key)
-            .filter(|e| e.expires_at > now)
-            .map(|e| &e.value)
+    fn new(hasher: foldhash::fast::RandomState) -> Self {
+        Self {
+            slots: Vec::new(),
+            used: 0,
+            hasher,
+        }
     }
 
-    /// Updates `key` in place: `f` gets the live value (or `None` when absent or expired) and
-    /// returns the new expiry; the entry is created from `init` when absent.
+    fn mask(&self) -> usize {
+        self.slots.len().wrapping_sub(1)
+    }
+
+    /// The slot holding `key` (live or expired), or `None`.
+    pub fn find(&self, hash: u64, key: &[u8]) -> Found {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        loop {
+            match &self.slots[i] {
+                None => return None,
+                Some(e) if *e.key == *key => return Some(i),
+                Some(_) => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// The value in a slot [`Shard::find`] returned, when live at `now`.
+    pub fn live_at(&self, found: Found, now: Micros) -> Option<&V> {
+        let e = self.slots[found?].as_ref()?;
+        (e.expires_at > now).then_some(&e.value)
+    }
+
+    /// The live value of `key` at `now`.
+    pub fn get(&self, hash: u64, key: &[u8], now: Micros) -> Option<&V> {
+        self.live_at(self.find(hash, key), now)
+    }
+
+    /// Updates `key` in place: `f` gets the live value (or a fresh one from `init`, with
+    /// `false`, when absent or expired) and returns the new expiry.
     pub fn update(
         &mut self,
         hash: u64,
@@ -56,29 +102,106 @@ impl<V> Shard<V> {
         init: impl FnOnce() -> V,
         f: impl FnOnce(&mut V, bool) -> Micros,
     ) {
-        match self.table.find_mut(hash, |e| *e.key == *key) {
-            Some(e) => {
-                let live = e.expires_at > now;
-                if !live {
-                    e.value = init();
-                }
-                e.expires_at = f(&mut e.value, live);
+        let found = self.find(hash, key);
+        self.update_found(found, hash, key, now, init, f);
+    }
+
+    /// [`Shard::update`] for a key already looked up with [`Shard::find`] (and the table not
+    /// changed since), so a decision probes the table once.
+    pub fn update_found(
+        &mut self,
+        found: Found,
+        hash: u64,
+        key: &[u8],
+        now: Micros,
+        init: impl FnOnce() -> V,
+        f: impl FnOnce(&mut V, bool) -> Micros,
+    ) {
+        if let Some(Some(e)) = found.map(|i| &mut self.slots[i]) {
+            let live = e.expires_at > now;
+            if !live {
+                e.value = init();
             }
-            None => {
-                let mut value = init();
-                let expires_at = f(&mut value, false);
-                let hasher = &self.hasher;
-                self.table.insert_unique(
-                    hash,
-                    Entry {
-                        key: KeyBuf::from_slice(key),
-                        value,
-                        expires_at,
-                    },
-                    |e| hasher.hash_one(&e.key[..]),
-                );
-            }
+            e.expires_at = f(&mut e.value, live);
+            return;
         }
+        let mut value = init();
+        let expires_at = f(&mut value, false);
+        if (self.used + 1) * 2 > self.slots.len() {
+            self.rebuild(now, 1);
+        }
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        // The key is absent, so its probe chain ends at an empty slot; an expired entry on the
+        // way is as good a home and shortens the chain.
+        while let Some(e) = &self.slots[i] {
+            if e.expires_at <= now {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        if self.slots[i].is_none() {
+            self.used += 1;
+        }
+        self.slots[i] = Some(Entry {
+            key: KeyBuf::from_slice(key),
+            value,
+            expires_at,
+        });
+    }
+
+    /// Moves the entries live at `now` into a table sized for them and `extra` more at most
+    /// half full (growing, or shrinking once most keys are gone), dropping the expired ones.
+    fn rebuild(&mut self, now: Micros, extra: usize) {
+        let live = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|e| e.expires_at > now)
+            .count();
+        let want = ((live + extra) * 2).next_power_of_two().max(MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, Vec::with_capacity(want));
+        self.slots.resize_with(want, || None);
+        self.used = 0;
+        let mask = want - 1;
+        for e in old.into_iter().flatten().filter(|e| e.expires_at > now) {
+            let mut i = self.hasher.hash_one(&e.key[..]) as usize & mask;
+            while self.slots[i].is_some() {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = Some(e);
+            self.used += 1;
+        }
+    }
+
+    /// Drops every entry expired at `now`, shrinking the table when most of it is gone;
+    /// returns the number kept.
+    fn retain_live(&mut self, now: Micros) -> usize {
+        let live = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|e| e.expires_at > now)
+            .count();
+        if live == 0 {
+            self.slots = Vec::new();
+            self.used = 0;
+        } else if live < self.used {
+            self.rebuild(now, 0);
+        }
+        live
+    }
+
+    fn len(&self) -> usize {
+        self.used
+    }
+
+    fn iter_live_mut(&mut self, now: Micros) -> impl Iterator<Item = (&[u8], &mut V)> {
+        self.slots
+            .iter_mut()
+            .flatten()
+            .filter(move |e| e.expires_at > now)
+            .map(|e| (&e.key[..], &mut e.value))
     }
 }
 
@@ -96,12 +219,7 @@ impl<V> Default for Sharded<V> {
         let hasher = foldhash::fast::RandomState::default();
         Self {
             shards: (0..SHARDS)
-                .map(|_| {
-                    Padded(Mutex::new(Shard {
-                        table: HashTable::new(),
-                        hasher: hasher.clone(),
-                    }))
-                })
+                .map(|_| Padded(Mutex::new(Shard::new(hasher.clone()))))
                 .collect(),
             hasher,
         }
@@ -122,23 +240,21 @@ impl<V> Sharded<V> {
     pub fn sweep(&self, now: Micros) -> usize {
         let mut kept = 0;
         for s in self.shards.iter() {
-            let mut shard = s.0.lock();
-            shard.table.retain(|e| e.expires_at > now);
-            kept += shard.table.len();
+            kept += s.0.lock().retain_live(now);
         }
         kept
     }
 
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.0.lock().table.len()).sum()
+        self.shards.iter().map(|s| s.0.lock().len()).sum()
     }
 
     /// Visits every live entry, one shard lock at a time (never all at once).
     pub fn for_each_live(&self, now: Micros, mut f: impl FnMut(&[u8], &mut V)) {
         for s in self.shards.iter() {
             let mut shard = s.0.lock();
-            for e in shard.table.iter_mut().filter(|e| e.expires_at > now) {
-                f(&e.key, &mut e.value);
+            for (key, value) in shard.iter_live_mut(now) {
+                f(key, value);
             }
         }
     }
@@ -153,8 +269,109 @@ mod tests {
     use super::*;
     use crate::limit::algorithm::State;
 
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Sets key `k` to `v`, expiring `ttl` after now.
+        Put {
+            k: u8,
+            v: u64,
+            ttl: u64,
+        },
+        Get {
+            k: u8,
+        },
+        Advance(u64),
+        Sweep,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (any::<u8>(), any::<u64>(), 1..50u64).prop_map(|(k, v, ttl)| Op::Put { k, v, ttl }),
+            3 => any::<u8>().prop_map(|k| Op::Get { k }),
+            2 => (0..20u64).prop_map(Op::Advance),
+            1 => Just(Op::Sweep),
+        ]
+    }
+
+    /// Keys 0..=255 as bytes of several lengths, inline and spilled, so collisions in the
+    /// table's low bits and long probe chains both happen.
+    fn key(k: u8) -> Vec<u8> {
+        vec![k; 1 + (k as usize % 20)]
+    }
+
+    proptest! {
+        /// One table answers as a plain map with expiry does, through growth, long probe
+        /// chains, reuse of expired slots, sweeps and shrinking.
+        #[test]
+        fn the_table_agrees_with_a_map(ops in proptest::collection::vec(op(), 1..800)) {
+            let hasher = foldhash::fast::RandomState::default();
+            let mut shard: Shard<u64> = Shard::new(hasher.clone());
+            let mut model: HashMap<u8, (u64, Micros)> = HashMap::new();
+            let mut now: Micros = 1;
+            for op in ops {
+                match op {
+                    Op::Put { k, v, ttl } => {
+                        let kb = key(k);
+                        let hash = hasher.hash_one(&kb[..]);
+                        let live = model.get(&k).filter(|e| e.1 > now).map(|e| e.0);
+                        shard.update(hash, &kb, now, || 0, |old, was_live| {
+                            assert_eq!(was_live, live.is_some());
+                            assert_eq!(*old, live.unwrap_or(0));
+                            *old = v;
+                            now + ttl
+                        });
+                        model.insert(k, (v, now + ttl));
+                    }
+                    Op::Get { k } => {
+                        let kb = key(k);
+                        let hash = hasher.hash_one(&kb[..]);
+                        let want = model.get(&k).filter(|e| e.1 > now).map(|e| e.0);
+                        prop_assert_eq!(shard.get(hash, &kb, now).copied(), want);
+                    }
+                    Op::Advance(d) => now += d,
+                    Op::Sweep => {
+                        model.retain(|_, e| e.1 > now);
+                        prop_assert_eq!(shard.retain_live(now), model.len());
+                        prop_assert_eq!(shard.len(), model.len());
+                        prop_assert!(shard.slots.len() <= (4 * model.len()).max(MIN_SLOTS));
+                    }
+                }
+            }
+            let mut seen = 0;
+            for (k, v) in shard.iter_live_mut(now) {
+                seen += 1;
+                let want = model.get(&k[0]).filter(|e| e.1 > now).map(|e| e.0);
+                prop_assert_eq!(Some(*v), want);
+            }
+            prop_assert_eq!(seen, model.values().filter(|e| e.1 > now).count());
+        }
+    }
+
+    #[test]
+    fn a_swept_table_gives_its_memory_back() {
+        let map: Sharded<u64> = Sharded::default();
+        for i in 0..10_000u32 {
+            let k = i.to_le_bytes();
+            let hash = map.hash(&k);
+            map.lock(hash).update(hash, &k, 1, || 0, |_, _| 10);
+        }
+        let slots = |m: &Sharded<u64>| {
+            m.shards
+                .iter()
+                .map(|s| s.0.lock().slots.len())
+                .sum::<usize>()
+        };
+        assert!(slots(&map) >= 20_000, "at most half full");
+        assert_eq!(map.sweep(10), 0);
+        assert_eq!(slots(&map), 0);
+    }
+
     #[test]
     fn an_entry_is_one_cache_line() {
         assert_eq!(std::mem::size_of::<Entry<State>>(), 64);
+        assert_eq!(std::mem::size_of::<Option<Entry<State>>>(), 64);
     }
 }
