@@ -410,45 +410,13 @@ async fn sync_limit(
     let Some(ev) = &l.eventual else { return };
     ev.last_sync
         .store(now, std::sync::atomic::Ordering::Relaxed);
-    let clock = &shared.proxy.clock;
-    let period = l.algorithm.quota().period;
-    // How long after its start a window's counter is read: a fixed window only during itself,
-    // a sliding window's also as the previous window of the next one.
-    let life = match l.algorithm {
-        crate::limit::algorithm::Algorithm::SlidingWindow(_) => 2 * period,
-        _ => period,
-    };
     let items = ev.due(now);
-    let calls = items.iter().map(|it| async move {
-        let sent = clock.now();
-        let r = redis
-            .sync_counts(
-                (
-                    l.eventual_key(&it.key, it.ws),
-                    l.eventual_key(&it.key, it.ws.saturating_sub(period)),
-                ),
-                (it.push_curr, it.push_prev),
-                it.ws,
-                life,
-                period,
-            )
-            .await;
-        (it, sent, r)
-    });
-    for (it, sent, r) in futures_util::future::join_all(calls).await {
-        match r {
-            Ok((curr, prev, server_now)) => ev.apply(
-                &l.algorithm,
-                it,
-                (curr, prev),
-                server_now,
-                sent,
-                clock.now(),
-            ),
-            Err(e) => {
-                shared.proxy.metrics.redis_error(e.kind());
-                ev.retry(&l.algorithm, it, clock.now());
-            }
+    let calls = items
+        .iter()
+        .map(|it| l.sync_eventual(redis, it, &*shared.proxy.clock));
+    for r in futures_util::future::join_all(calls).await {
+        if let Err(e) = r {
+            shared.proxy.metrics.redis_error(e.kind());
         }
     }
 }

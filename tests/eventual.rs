@@ -255,3 +255,44 @@ async fn an_outage_loses_no_count_and_the_instance_catches_up() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test]
+async fn a_client_moving_to_an_instance_new_to_its_key_finds_its_count_there() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let yaml = cfg(
+        &redis.url(),
+        "moving",
+        "fixed_window",
+        "10/1d",
+        "50ms",
+        &up.url(),
+    );
+    let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+    let c = client();
+    let mut ok = 0;
+    for _ in 0..10 {
+        ok += usize::from(c.get(a.url("/")).send().await.unwrap().status() == 200);
+    }
+    assert_eq!(ok, 10);
+    // A's sync pushes its 10 to Redis; B has never decided on the key.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counter(&redis, "moving") < 10 {
+        assert!(Instant::now() < deadline, "A never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let calls = evalsha_calls(&redis);
+    let started = Instant::now();
+    for i in 0..20 {
+        let r = c.get(b.url("/")).send().await.unwrap();
+        assert_eq!(r.status(), 429, "request {i} on B: a fresh budget");
+    }
+    // B learned the key with one round trip before its first decision, not one per request:
+    // every other call is B's periodic sync (one per 50 ms interval at most).
+    let syncs = started.elapsed().as_millis() as u64 / 50 + 1;
+    let made = evalsha_calls(&redis) - calls;
+    assert!(
+        made <= 1 + syncs,
+        "{made} calls for 20 requests in {syncs} intervals"
+    );
+}

@@ -15,9 +15,11 @@
 //! Bound: for keys every instance already syncs, an instance can only be unaware of what the
 //! others admitted since their last push, so with N instances the total admitted in a window is
 //! at most `COUNT` plus what the other N − 1 instances admit within one `sync_interval`. A key an
-//! instance has not seen this window is decided from nothing until its first sync of it (one
-//! interval later), so a client moving between instances can get about `COUNT` more; the hard
-//! ceiling is N × `COUNT` (see the README).
+//! instance does not hold (never seen, or idle for two periods) is learned from Redis before
+//! its first decision there (one round trip, `sync.lua` with nothing to push), so a client
+//! moving between instances finds its count, not a fresh budget. If that pull fails (Redis
+//! down), the key is decided from this instance's own counts until a sync succeeds: the
+//! ceiling is then N × `COUNT` (see the README).
 //!
 //! A failed sync loses nothing: the unpushed units stay and are pushed by the next sync that
 //! succeeds; meanwhile each instance keeps deciding with what it knows.
@@ -39,6 +41,8 @@ struct Counts {
     own_prev: u64,
     /// Decided on since the last sync: due for a push/pull.
     touched: bool,
+    /// A request is learning the totals from Redis now; the others wait for it.
+    learning: bool,
 }
 
 impl Counts {
@@ -85,9 +89,65 @@ pub struct SyncItem {
     pub push_prev: u64,
 }
 
+impl SyncItem {
+    /// Nothing to push: learns the totals of window `ws` only.
+    pub fn pull(key: &[u8], ws: Micros) -> Self {
+        Self {
+            key: key.to_vec(),
+            ws,
+            push_curr: 0,
+            push_prev: 0,
+        }
+    }
+}
+
+/// What a request does about an eventual key before deciding on it.
+pub enum Learn<'a> {
+    /// This instance holds the key's counts: decide.
+    Known,
+    /// The key is new here: this request learns its totals; the others wait until the guard
+    /// drops.
+    Lead(LearnGuard<'a>),
+    /// Another request is learning the key's totals now: wait for it.
+    Follow,
+}
+
+/// Ends a learning pull when dropped (learned, failed, or the request abandoned): the key is
+/// then decided on what the instance knows, and the waiting requests are woken.
+pub struct LearnGuard<'a> {
+    store: &'a EventualStore,
+    key: Vec<u8>,
+    period: Micros,
+}
+
+impl LearnGuard<'_> {
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+}
+
+impl Drop for LearnGuard<'_> {
+    fn drop(&mut self) {
+        let hash = self.store.map.hash(&self.key);
+        {
+            let mut shard = self.store.map.lock(hash);
+            if shard.get(hash, &self.key, 0).is_some_and(|c| c.learning) {
+                let period = self.period;
+                shard.update(hash, &self.key, 0, Counts::default, |c, _| {
+                    c.learning = false;
+                    c.ws + 2 * period
+                });
+            }
+        }
+        self.store.learned.notify_waiters();
+    }
+}
+
 #[derive(Default)]
 pub struct EventualStore {
     map: Sharded<Counts>,
+    /// Wakes requests waiting for a key's totals (any key; they re-check their own).
+    learned: tokio::sync::Notify,
     /// Redis time − local time (µs), learned from sync replies.
     offset: AtomicI64,
     offset_known: std::sync::atomic::AtomicBool,
@@ -123,6 +183,92 @@ impl EventualStore {
             );
         }
         (local_now as i64 + self.offset.load(Ordering::Relaxed)).max(0) as Micros
+    }
+
+    /// Whether this instance holds counts for `key` (it decided on it or learned its totals
+    /// within the last two periods), so it is being synced.
+    pub fn knows(&self, key: &[u8], local_now: Micros) -> bool {
+        let now = self.redis_now(local_now);
+        let hash = self.map.hash(key);
+        self.map
+            .lock(hash)
+            .get(hash, key, now)
+            .is_some_and(|c| !c.learning)
+    }
+
+    /// For a key this instance does not hold, elects one request to learn its totals from
+    /// Redis; concurrent requests for it follow, so a burst on a new key costs one round trip,
+    /// not one per request. A lead that never ends (its request hung) stops blocking others
+    /// after `wait`.
+    pub fn begin_learn(
+        &self,
+        algorithm: &Algorithm,
+        key: &[u8],
+        local_now: Micros,
+        wait: Micros,
+    ) -> Learn<'_> {
+        let now = self.redis_now(local_now);
+        let p = period(algorithm);
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        match shard.get(hash, key, now) {
+            Some(c) if c.learning => return Learn::Follow,
+            Some(_) => return Learn::Known,
+            None => {}
+        }
+        shard.update(
+            hash,
+            key,
+            now,
+            || Counts {
+                ws: now - now % p,
+                learning: true,
+                ..Counts::default()
+            },
+            |_, _| now + wait.max(1),
+        );
+        Learn::Lead(LearnGuard {
+            store: self,
+            key: key.to_vec(),
+            period: p,
+        })
+    }
+
+    /// Waits until `key` is no longer being learned, or until local time `deadline`.
+    pub async fn wait_learned(
+        &self,
+        key: &[u8],
+        clock: &dyn super::clock::Clock,
+        deadline: Micros,
+    ) {
+        loop {
+            let done = self.learned.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            let now = clock.now();
+            if now >= deadline || self.knows(key, now) {
+                return;
+            }
+            let hash = self.map.hash(key);
+            let learning = self
+                .map
+                .lock(hash)
+                .get(hash, key, self.redis_now(now))
+                .is_some_and(|c| c.learning);
+            if !learning {
+                return;
+            }
+            let left = std::time::Duration::from_micros(deadline - now);
+            if tokio::time::timeout(left, done).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The start of the window `local_now` falls in (Redis time).
+    pub fn window(&self, algorithm: &Algorithm, local_now: Micros) -> Micros {
+        let now = self.redis_now(local_now);
+        now - now % period(algorithm)
     }
 
     /// What the limit answers for `key` now, without charging it.
@@ -230,6 +376,7 @@ impl EventualStore {
                 ..Counts::default()
             },
             |c, _| {
+                c.learning = false;
                 if c.ws == item.ws {
                     c.known_curr = totals.0;
                     c.known_prev = totals.1;
@@ -259,5 +406,46 @@ impl EventualStore {
 
     pub fn sweep(&self, local_now: Micros) -> usize {
         self.map.sweep(self.redis_now(local_now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::algorithm::{FixedWindow, Quota};
+
+    #[test]
+    fn one_request_learns_a_new_key_and_the_others_follow() {
+        let alg = Algorithm::FixedWindow(FixedWindow::new(Quota {
+            count: 10,
+            period: 1_000_000,
+            burst: 10,
+        }));
+        let ev = EventualStore::default();
+        let now = 5_000_000;
+        assert!(!ev.knows(b"k", now));
+        let lead = ev.begin_learn(&alg, b"k", now, 50_000);
+        assert!(matches!(lead, Learn::Lead(_)));
+        assert!(matches!(
+            ev.begin_learn(&alg, b"k", now, 50_000),
+            Learn::Follow
+        ));
+        assert!(!ev.knows(b"k", now), "not decided on while being learned");
+        // Learned: the totals are what the instance decides with.
+        let item = SyncItem::pull(b"k", ev.window(&alg, now));
+        let server_now = ev.redis_now(now);
+        ev.apply(&alg, &item, (7, 0), server_now, now, now);
+        drop(lead);
+        assert!(ev.knows(b"k", now));
+        assert!(matches!(
+            ev.begin_learn(&alg, b"k", now, 50_000),
+            Learn::Known
+        ));
+        assert_eq!(ev.peek(&alg, b"k", now).remaining, 3);
+        // A lead dropped without an answer (Redis down) leaves the key decided on own counts.
+        let lead = ev.begin_learn(&alg, b"j", now, 50_000);
+        drop(lead);
+        assert!(ev.knows(b"j", now));
+        assert_eq!(ev.peek(&alg, b"j", now).remaining, 10);
     }
 }

@@ -134,6 +134,56 @@ impl Limit {
         self.scope == Scope::Global && self.eventual.is_none()
     }
 
+    /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`): pushes its
+    /// unpushed units, learns the window totals. On failure the units stay for the next sync.
+    pub async fn sync_eventual(
+        &self,
+        redis: &RedisStore,
+        item: &eventual::SyncItem,
+        clock: &dyn clock::Clock,
+    ) -> Result<(), redis::RedisError> {
+        let Some(ev) = &self.eventual else {
+            return Ok(());
+        };
+        let period = self.algorithm.quota().period;
+        // How long after its start a window's counter is read: a fixed window only during
+        // itself, a sliding window's also as the previous window of the next one.
+        let life = match self.algorithm {
+            Algorithm::SlidingWindow(_) => 2 * period,
+            _ => period,
+        };
+        let sent = clock.now();
+        let reply = redis
+            .sync_counts(
+                (
+                    self.eventual_key(&item.key, item.ws),
+                    self.eventual_key(&item.key, item.ws.saturating_sub(period)),
+                ),
+                (item.push_curr, item.push_prev),
+                item.ws,
+                life,
+                period,
+            )
+            .await;
+        match reply {
+            Ok((curr, prev, server_now)) => {
+                ev.apply(
+                    &self.algorithm,
+                    item,
+                    (curr, prev),
+                    server_now,
+                    sent,
+                    clock.now(),
+                );
+                Ok(())
+            }
+            Err(e) => {
+                ev.retry(&self.algorithm, item, clock.now());
+                Err(e)
+            }
+        }
+    }
+
     /// The Redis counter of window `ws` of an eventual limit's key.
     pub fn eventual_key(&self, key: &[u8], ws: Micros) -> String {
         let mut k = self.redis_key(key);
@@ -287,6 +337,18 @@ impl LimitSet {
                 }
             }
         }
+        if let Some(redis) = cx.redis {
+            // Boxed like the Redis path: only a key's first request on this instance gets here.
+            let new = |&&(i, s, e): &&Span| {
+                let l = &self.limits[i];
+                l.eventual
+                    .as_ref()
+                    .is_some_and(|ev| !ev.knows(&keys[s..e], cx.now))
+            };
+            if spans.iter().any(|sp| new(&sp)) {
+                Box::pin(self.learn_eventual(&keys, &spans, new, redis, cx)).await;
+            }
+        }
         if spans.iter().any(|s| self.limits[s.0].is_global()) {
             // Boxed: the Redis path's state is large (about 13 KB of fred futures); inline, it
             // would be part of every request's future, local-only ones and waiters included.
@@ -316,6 +378,46 @@ impl LimitSet {
             .map(|s| s.0);
         results.extend(local_idx.zip(verdicts));
         self.conclude(&results)
+    }
+
+    /// Learns from Redis the totals of eventual keys this instance does not hold, before
+    /// deciding on them: without it a client moving to an instance new to its key would get a
+    /// fresh budget there until that instance's next sync. A failure leaves the key unknown (it
+    /// is decided from this instance's own counts, as before any sync) and is counted.
+    async fn learn_eventual(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        new: impl Fn(&&Span) -> bool,
+        redis: &RedisStore,
+        cx: &Context<'_>,
+    ) {
+        let wait = micros(cx.probe_wait);
+        let mut leads: SmallVec<[_; 2]> = SmallVec::new();
+        let mut follows: SmallVec<[_; 2]> = SmallVec::new();
+        for &(i, s, e) in spans.iter().filter(new) {
+            let l = &self.limits[i];
+            let Some(ev) = &l.eventual else { continue };
+            match ev.begin_learn(&l.algorithm, &keys[s..e], cx.now, wait) {
+                eventual::Learn::Known => {}
+                eventual::Learn::Lead(guard) => leads.push((l, ev, guard)),
+                eventual::Learn::Follow => follows.push((ev, &keys[s..e])),
+            }
+        }
+        let pulls = leads.into_iter().map(|(l, ev, guard)| async move {
+            let item = eventual::SyncItem::pull(guard.key(), ev.window(&l.algorithm, cx.now));
+            let r = l.sync_eventual(redis, &item, cx.clock).await;
+            drop(guard);
+            r
+        });
+        for r in futures_util::future::join_all(pulls).await {
+            if let Err(e) = r {
+                cx.metrics.redis_error(e.kind());
+            }
+        }
+        for (ev, key) in follows {
+            ev.wait_learned(key, cx.clock, cx.now + wait).await;
+        }
     }
 
     /// Every eventual limit's answer for this request, without charging.
