@@ -210,7 +210,7 @@ impl Inner {
         let result = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => Err(RedisError::from(e)),
-            Err(_) => Err(RedisError::Timeout),
+            Err(_) => Err(timed_out(client)),
         };
         self.record(result.as_ref().map(|_| ()));
         result
@@ -227,7 +227,7 @@ impl Inner {
         let result = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(RedisError::from(e)),
-            Err(_) => Err(RedisError::Timeout),
+            Err(_) => Err(timed_out(client)),
         };
         self.record(result.as_ref().copied());
         result
@@ -264,6 +264,17 @@ const REDIS_SCHEMES: [&str; 6] = [
     "redis-sentinel",
     "rediss-sentinel",
 ];
+
+/// A command that ran out of time: a `timeout` when the connection was up (Redis slow), a
+/// `connection` error when it never was (Redis down or restarting), so the metric tells the two
+/// apart.
+fn timed_out(client: &fred::clients::Client) -> RedisError {
+    if client.is_connected() {
+        RedisError::Timeout
+    } else {
+        RedisError::Connection("not connected to redis within the timeout".into())
+    }
+}
 
 fn fred_config(target: &RedisTarget) -> Result<Config, RedisError> {
     let parse = |url: &str| {
