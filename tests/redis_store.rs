@@ -198,11 +198,13 @@ async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Dur
 
 /// Decides until the breaker answers `Unavailable`; asserts the calls before it were
 /// bounded by the timeout and the ones after it are immediate.
+/// Returns the `kind` of each failure before the breaker opened.
 async fn decide_until_breaker_opens(
     store: &RedisStore,
     limits: &[GlobalLimit<'_>],
     timeout: Duration,
-) {
+) -> Vec<&'static str> {
+    let mut kinds = Vec::new();
     let mut failures_before_open = 0;
     let t0 = Instant::now();
     loop {
@@ -222,6 +224,7 @@ async fn decide_until_breaker_opens(
                     took < timeout + Duration::from_millis(100),
                     "{e} took {took:?}"
                 );
+                kinds.push(e.kind());
                 failures_before_open += 1;
             }
             Ok(d) => panic!("decided with redis down: {d:?}"),
@@ -249,6 +252,7 @@ async fn decide_until_breaker_opens(
         "100 decisions with the breaker open took {:?}",
         t.elapsed()
     );
+    kinds
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,7 +296,9 @@ async fn starting_with_redis_down_is_not_an_error() {
         .map(|i| format!("tg:{{down/{i}}}"))
         .collect();
     let limits = limits(&algs, &keys);
-    decide_until_breaker_opens(&store, &limits, timeout).await;
+    let kinds = decide_until_breaker_opens(&store, &limits, timeout).await;
+    // Never connected: counted as Redis being down, not as a slow Redis.
+    assert!(kinds.iter().all(|&k| k == "connection"), "{kinds:?}");
     assert!(store.ping().await.is_err());
 
     server.restart();
