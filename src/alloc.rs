@@ -25,6 +25,7 @@ fn placed(layout: Layout) -> Layout {
     }
 }
 
+#[cfg(any(target_os = "linux", target_os = "android"))]
 fn advise(ptr: *mut u8, layout: Layout) {
     if !ptr.is_null() && layout.size() >= HUGE {
         // SAFETY: `ptr` starts a live block of `layout.size()` bytes at a page boundary.
@@ -32,6 +33,10 @@ fn advise(ptr: *mut u8, layout: Layout) {
         unsafe { libc::madvise(ptr.cast(), layout.size(), libc::MADV_HUGEPAGE) };
     }
 }
+
+/// Elsewhere the placement stays (harmless) and there is no advice to give.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn advise(_: *mut u8, _: Layout) {}
 
 // SAFETY: every block is allocated and freed by `System` with the same `placed` layout, which
 // satisfies the caller's layout (same size, equal or stricter alignment).

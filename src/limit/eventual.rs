@@ -41,15 +41,18 @@ struct Counts {
     own_prev: u64,
     /// Decided on since the last sync: due for a push/pull.
     touched: bool,
-    /// A request is learning the totals from Redis now; the others wait for it.
-    learning: bool,
+    /// Non-zero while a request is learning the totals from Redis (its lead's token); the
+    /// others wait for it.
+    lead: u32,
 }
 
 impl Counts {
     /// Moves the counts to window `w`: the current window becomes the previous one, or both
     /// are forgotten when more than a window has passed (no decision reads them any more).
     fn roll(&mut self, w: Micros, period: Micros) {
-        if w == self.ws {
+        // An older window (a decision made with a time read before another's) is read as the
+        // current one: rolling back would drop units not pushed yet.
+        if w <= self.ws {
             return;
         }
         if w == self.ws + period {
@@ -118,6 +121,8 @@ pub struct LearnGuard<'a> {
     store: &'a EventualStore,
     key: Vec<u8>,
     period: Micros,
+    /// Ends only this lead: after it outlived its wait another request may lead.
+    token: u32,
 }
 
 impl LearnGuard<'_> {
@@ -131,10 +136,13 @@ impl Drop for LearnGuard<'_> {
         let hash = self.store.map.hash(&self.key);
         {
             let mut shard = self.store.map.lock(hash);
-            if shard.get(hash, &self.key, 0).is_some_and(|c| c.learning) {
+            if shard
+                .get(hash, &self.key, 0)
+                .is_some_and(|c| c.lead == self.token)
+            {
                 let period = self.period;
                 shard.update(hash, &self.key, 0, Counts::default, |c, _| {
-                    c.learning = false;
+                    c.lead = 0;
                     c.ws + 2 * period
                 });
             }
@@ -148,6 +156,8 @@ pub struct EventualStore {
     map: Sharded<Counts>,
     /// Wakes requests waiting for a key's totals (any key; they re-check their own).
     learned: tokio::sync::Notify,
+    /// The last lead token handed out.
+    leads: std::sync::atomic::AtomicU32,
     /// Redis time − local time (µs), learned from sync replies.
     offset: AtomicI64,
     offset_known: std::sync::atomic::AtomicBool,
@@ -193,7 +203,7 @@ impl EventualStore {
         self.map
             .lock(hash)
             .get(hash, key, now)
-            .is_some_and(|c| !c.learning)
+            .is_some_and(|c| c.lead == 0)
     }
 
     /// For a key this instance does not hold, elects one request to learn its totals from
@@ -212,17 +222,22 @@ impl EventualStore {
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
         match shard.get(hash, key, now) {
-            Some(c) if c.learning => return Learn::Follow,
+            Some(c) if c.lead != 0 => return Learn::Follow,
             Some(_) => return Learn::Known,
             None => {}
         }
+        let token = self
+            .leads
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1)
+            .max(1);
         shard.update(
             hash,
             key,
             now,
             || Counts {
                 ws: now - now % p,
-                learning: true,
+                lead: token,
                 ..Counts::default()
             },
             |_, _| now + wait.max(1),
@@ -231,6 +246,7 @@ impl EventualStore {
             store: self,
             key: key.to_vec(),
             period: p,
+            token,
         })
     }
 
@@ -254,7 +270,7 @@ impl EventualStore {
                 .map
                 .lock(hash)
                 .get(hash, key, self.redis_now(now))
-                .is_some_and(|c| c.learning);
+                .is_some_and(|c| c.lead != 0);
             if !learning {
                 return;
             }
@@ -376,7 +392,7 @@ impl EventualStore {
                 ..Counts::default()
             },
             |c, _| {
-                c.learning = false;
+                c.lead = 0;
                 if c.ws == item.ws {
                     c.known_curr = totals.0;
                     c.known_prev = totals.1;
@@ -447,5 +463,17 @@ mod tests {
         drop(lead);
         assert!(ev.knows(b"j", now));
         assert_eq!(ev.peek(&alg, b"j", now).remaining, 10);
+        // A lead that outlived its wait ends only itself, not the lead that took over.
+        let stale = ev.begin_learn(&alg, b"m", now, 50_000);
+        let later = now + 60_000;
+        let current = ev.begin_learn(&alg, b"m", later, 50_000);
+        assert!(matches!(current, Learn::Lead(_)));
+        drop(stale);
+        assert!(matches!(
+            ev.begin_learn(&alg, b"m", later, 50_000),
+            Learn::Follow
+        ));
+        drop(current);
+        assert!(ev.knows(b"m", later));
     }
 }

@@ -240,6 +240,7 @@ pub enum Verdict {
 }
 
 /// What a decision needs besides the request.
+#[derive(Clone, Copy)]
 pub struct Context<'a> {
     /// Local monotonic time (global limits use Redis's clock inside the script).
     pub now: Micros,
@@ -347,16 +348,33 @@ impl LimitSet {
             };
             if spans.iter().any(|sp| new(&sp)) {
                 Box::pin(self.learn_eventual(&keys, &spans, new, redis, cx)).await;
+                // That took up to a round trip: decide at the time it is now.
+                let after = Context {
+                    now: cx.clock.now(),
+                    ..*cx
+                };
+                return self.decide(&keys, &spans, &after, started).await;
             }
         }
+        self.decide(&keys, &spans, cx, started).await
+    }
+
+    /// Decides every limit for this request, its keys built and its eventual keys known.
+    async fn decide(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_>,
+        started: std::time::Instant,
+    ) -> Verdict {
         if spans.iter().any(|s| self.limits[s.0].is_global()) {
             // Boxed: the Redis path's state is large (about 13 KB of fred futures); inline, it
             // would be part of every request's future, local-only ones and waiters included.
             // One allocation per global decision is small next to its round trip.
-            return Box::pin(self.evaluate_global(&keys, &spans, cx, started)).await;
+            return Box::pin(self.evaluate_global(keys, spans, cx, started)).await;
         }
         // Eventual limits first, checked only: a rejection there needs nothing charged.
-        let mut results = self.check_eventual(&keys, &spans, cx);
+        let mut results = self.check_eventual(keys, spans, cx);
         if results
             .iter()
             .any(|(i, v)| v.is_err() && !self.limits[*i].shadow)
@@ -365,10 +383,10 @@ impl LimitSet {
             self.tiers.local_duration.observe(started.elapsed());
             return self.conclude(&results);
         }
-        let checks = self.local_checks(&keys, &spans, cx, Limit::is_local);
+        let checks = self.local_checks(keys, spans, cx, Limit::is_local);
         let (ok, verdicts) = local::decide(&checks, cx.now);
         if ok {
-            self.commit_eventual(&keys, &spans, &results, cx);
+            self.commit_eventual(keys, spans, &results, cx);
         }
         self.tiers.local.inc();
         self.tiers.local_duration.observe(started.elapsed());
