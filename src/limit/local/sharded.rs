@@ -153,12 +153,7 @@ impl<V> Shard<V> {
     /// Moves the entries live at `now` into a table sized for them and `extra` more at most
     /// 3/8 full (growing, or shrinking once most keys are gone), dropping the expired ones.
     fn rebuild(&mut self, now: Micros, extra: usize) {
-        let live = self
-            .slots
-            .iter()
-            .flatten()
-            .filter(|e| e.expires_at > now)
-            .count();
+        let live = self.live(now);
         let mut want = ((live + extra) * 2).next_power_of_two().max(MIN_SLOTS);
         if (live + extra) * 8 > want * 3 {
             // Over 3/8 full: leave room, or a table whose live keys hover near half full would
@@ -184,12 +179,7 @@ impl<V> Shard<V> {
     /// otherwise leaves them for inserts to reuse, so a sweep does not copy every busy table
     /// every time. Returns the number of live entries.
     fn retain_live(&mut self, now: Micros) -> usize {
-        let live = self
-            .slots
-            .iter()
-            .flatten()
-            .filter(|e| e.expires_at > now)
-            .count();
+        let live = self.live(now);
         if live == 0 {
             self.slots = Vec::new();
             self.used = 0;
@@ -201,6 +191,15 @@ impl<V> Shard<V> {
 
     fn len(&self) -> usize {
         self.used
+    }
+
+    /// The entries live at `now`.
+    fn live(&self, now: Micros) -> usize {
+        self.slots
+            .iter()
+            .flatten()
+            .filter(|e| e.expires_at > now)
+            .count()
     }
 
     fn iter_live_mut(&mut self, now: Micros) -> impl Iterator<Item = (&[u8], &mut V)> {
