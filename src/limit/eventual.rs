@@ -262,16 +262,14 @@ impl EventualStore {
             tokio::pin!(done);
             done.as_mut().enable();
             let now = clock.now();
-            if now >= deadline || self.knows(key, now) {
-                return;
-            }
+            // Learned, or the lead gone (entry expired): either way, decide now.
             let hash = self.map.hash(key);
             let learning = self
                 .map
                 .lock(hash)
                 .get(hash, key, self.redis_now(now))
                 .is_some_and(|c| c.lead != 0);
-            if !learning {
+            if now >= deadline || !learning {
                 return;
             }
             let left = std::time::Duration::from_micros(deadline - now);
