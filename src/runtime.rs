@@ -36,6 +36,8 @@ pub struct Upstream {
     /// The kept-alive connections of a plain `http://` upstream, looked up in the client's
     /// table on first use; upstreams with the same authority share one across reloads.
     pub pool: OnceLock<Arc<crate::proxy::forward::Host>>,
+    /// The same for the fast HTTP/1.1 path's raw connections.
+    pub raw: OnceLock<Arc<crate::proxy::h1::upstream::Pool>>,
 }
 
 impl Upstream {
@@ -58,6 +60,7 @@ impl Upstream {
             authority,
             base_path: base.to_owned(),
             pool: OnceLock::new(),
+            raw: OnceLock::new(),
         }
     }
 

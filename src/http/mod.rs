@@ -56,6 +56,11 @@ pub async fn serve(
         .as_ref()
         .map(|t| t.server_config.clone());
     let mut warned_tls_removed = false;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let plain = crate::proxy::h1::Control {
+        builder: builder.clone(),
+        stop: stopped,
+    };
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -72,13 +77,13 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Some(current) = &mut tls else {
-            let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
-            let conn = graceful.watch(conn);
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, %peer, "connection ended with an error");
-                }
-            });
+            tokio::spawn(crate::proxy::h1::serve(
+                proxy.clone(),
+                stream,
+                peer,
+                plain.clone(),
+                graceful.watcher(),
+            ));
             continue;
         };
         match &proxy.runtime.load().config.server.tls {
@@ -102,6 +107,9 @@ pub async fn serve(
         ));
     }
     drop(listener);
+    // Plain connections on the fast path hold a watcher each (so the count and the wait below
+    // include them) and close on this signal.
+    let _ = stop.send(true);
     let open = graceful.count();
     tracing::info!(open, "draining connections");
     match tokio::time::timeout(grace, graceful.shutdown()).await {
@@ -115,7 +123,7 @@ pub async fn serve(
 
 /// One connection on any transport: HTTP/1.1 (with upgrades) or HTTP/2, detected from the first
 /// bytes (for TLS, ALPN has made the client send what it agreed to).
-fn serve_one<I>(
+pub(crate) fn serve_one<I>(
     builder: &auto::Builder<TokioExecutor>,
     io: I,
     proxy: Arc<Proxy>,

@@ -293,6 +293,9 @@ pub struct LimitSet {
     /// Redis by more than a request's cost. No other route's keys are ever refunded.
     tier_enabled: bool,
     tiers: TierMetrics,
+    /// Some limit's key has a `header:` part: the fast HTTP/1.1 path then builds a header map
+    /// for the key (without one, it skips that work).
+    pub reads_headers: bool,
 }
 
 /// One applicable limit of this request: its index and its key's span in the key buffer.
@@ -303,8 +306,15 @@ impl LimitSet {
     pub fn new(limits: Vec<Limit>, tiers: TierMetrics, cluster: bool) -> Self {
         let can_delay = limits.iter().any(|l| l.max_delay > 0);
         let enforced_global = limits.iter().filter(|l| l.is_global() && !l.shadow).count();
+        let reads_headers = limits.iter().any(|l| {
+            l.key
+                .parts
+                .iter()
+                .any(|p| matches!(p, crate::config::KeyPart::Header(_)))
+        });
         Self {
             tier_enabled: !(cluster && enforced_global > 1),
+            reads_headers,
             limits,
             can_delay,
             tiers,

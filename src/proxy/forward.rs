@@ -7,7 +7,7 @@
 //! for the upstream's response head: past it, 504.
 
 mod client;
-mod pool;
+pub(crate) mod pool;
 
 use std::net::SocketAddr;
 use std::time::Instant;

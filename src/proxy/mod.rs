@@ -6,6 +6,7 @@
 //! (see [`response`]).
 
 pub mod forward;
+pub mod h1;
 pub mod headers;
 pub mod request_id;
 pub mod response;
@@ -25,7 +26,7 @@ use hyper::body::Incoming;
 
 use crate::key::{RequestParts, client_ip};
 use crate::limit::clock::SharedClock;
-use crate::limit::{Context, Verdict};
+use crate::limit::{Context, HeaderInfo, Verdict};
 use crate::metrics::{Histogram, Metrics};
 use crate::routing::{has_dot_segment, normalize_path};
 use crate::runtime::{Route, Runtime};
@@ -109,65 +110,22 @@ impl Proxy {
             client_ip: client,
             route: &route.name,
         };
-        let limits = &route.limits;
-        let mut waiter = None;
-        let verdict = if limits.is_empty() {
-            Verdict::Admit {
-                delay: std::time::Duration::ZERO,
-                delayed_by: None,
-                info: None,
-            }
-        } else {
-            // A slot in the route's waiter cap is taken before deciding, so a request that would
-            // have to wait past the cap is rejected without reserving anything.
-            let allow_delay = limits.can_delay && {
-                waiter = WaiterSlot::acquire(route);
-                waiter.is_some()
-            };
-            let cx = Context {
-                now: self.clock.now(),
-                clock: &*self.clock,
-                probe_wait: rt
-                    .config
-                    .redis
-                    .as_ref()
-                    .map_or(std::time::Duration::ZERO, |r| r.timeout),
-                redis: rt.redis.as_ref(),
-                on_error: rt.on_error,
-                allow_delay,
-                metrics: &self.metrics,
-            };
-            limits.evaluate(&parts, &cx).await
-        };
-        let info = match verdict {
-            Verdict::Reject { limit, rejection } => {
-                let l = &limits.limits[limit];
-                let request_id = id.to_str().unwrap_or("-");
-                if rt.config.server.log_keys {
-                    let mut key = Vec::new();
-                    l.key.build(&parts, &mut key);
-                    let key = String::from_utf8_lossy(&key);
-                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");
-                } else {
-                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
-                }
-                return response::too_many_requests(&route.name, l, &rejection);
-            }
-            Verdict::Unavailable { limit } => {
-                return response::unavailable(&route.name, &limits.limits[limit].name);
-            }
-            Verdict::MissingKey { limit, part } => {
-                return response::missing_key(&route.name, &limits.limits[limit].name, &part);
-            }
-            Verdict::Admit {
-                delay,
-                delayed_by,
-                info,
-            } => {
+        let info = match self
+            .admit(rt, route, &parts, id.to_str().unwrap_or("-"))
+            .await
+        {
+            Admission::Answer(resp) => return resp,
+            Admission::Forward(admitted) => {
+                let Admitted {
+                    info,
+                    delay,
+                    delayed_by,
+                    waiter,
+                } = admitted;
                 if !delay.is_zero() {
                     // Dropped (client gone) before the slot comes: the reserved slot stays
                     // consumed, and the abandonment is counted.
-                    let guard = AbandonGuard(delayed_by.map(|i| &limits.limits[i]));
+                    let guard = AbandonGuard(delayed_by.map(|i| &route.limits.limits[i]));
                     tokio::time::sleep(delay).await;
                     std::mem::forget(guard);
                 }
@@ -177,10 +135,100 @@ impl Proxy {
         };
         let mut resp = forward::forward(self, route, req, peer, rt).await;
         if let (true, Some(info)) = (route.headers, info) {
-            response::set_ratelimit(resp.headers_mut(), &limits.limits[info.limit], &info);
+            response::set_ratelimit(resp.headers_mut(), &route.limits.limits[info.limit], &info);
         }
         resp
     }
+}
+
+impl Proxy {
+    /// The limits' answer for a routed request: an answer of tollgate's own (429, 503, the
+    /// `on_missing: reject` 429), or leave to forward after an optional wait. Shared by both
+    /// HTTP paths; the wait is the caller's, so each can notice a client leaving in its own way.
+    pub(crate) async fn admit<'r>(
+        &self,
+        rt: &Runtime,
+        route: &'r Route,
+        parts: &RequestParts<'_>,
+        request_id: &str,
+    ) -> Admission<'r> {
+        let limits = &route.limits;
+        if limits.is_empty() {
+            return Admission::Forward(Admitted {
+                info: None,
+                delay: std::time::Duration::ZERO,
+                delayed_by: None,
+                waiter: None,
+            });
+        }
+        // A slot in the route's waiter cap is taken before deciding, so a request that would
+        // have to wait past the cap is rejected without reserving anything.
+        let mut waiter = None;
+        let allow_delay = limits.can_delay && {
+            waiter = WaiterSlot::acquire(route);
+            waiter.is_some()
+        };
+        let cx = Context {
+            now: self.clock.now(),
+            clock: &*self.clock,
+            probe_wait: rt
+                .config
+                .redis
+                .as_ref()
+                .map_or(std::time::Duration::ZERO, |r| r.timeout),
+            redis: rt.redis.as_ref(),
+            on_error: rt.on_error,
+            allow_delay,
+            metrics: &self.metrics,
+        };
+        match limits.evaluate(parts, &cx).await {
+            Verdict::Reject { limit, rejection } => {
+                let l = &limits.limits[limit];
+                if rt.config.server.log_keys {
+                    let mut key = Vec::new();
+                    l.key.build(parts, &mut key);
+                    let key = String::from_utf8_lossy(&key);
+                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");
+                } else {
+                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
+                }
+                Admission::Answer(response::too_many_requests(&route.name, l, &rejection))
+            }
+            Verdict::Unavailable { limit } => Admission::Answer(response::unavailable(
+                &route.name,
+                &limits.limits[limit].name,
+            )),
+            Verdict::MissingKey { limit, part } => Admission::Answer(response::missing_key(
+                &route.name,
+                &limits.limits[limit].name,
+                &part,
+            )),
+            Verdict::Admit {
+                delay,
+                delayed_by,
+                info,
+            } => Admission::Forward(Admitted {
+                info,
+                delay,
+                delayed_by,
+                waiter,
+            }),
+        }
+    }
+}
+
+pub(crate) enum Admission<'r> {
+    Answer(Response<Body>),
+    Forward(Admitted<'r>),
+}
+
+/// An admitted request: forward it after `delay` (its reserved slot), holding `waiter` until
+/// then; `info` is the limit whose `RateLimit` fields the response carries.
+pub(crate) struct Admitted<'r> {
+    pub info: Option<HeaderInfo>,
+    pub delay: std::time::Duration,
+    pub delayed_by: Option<usize>,
+    pub waiter: Option<WaiterSlot<'r>>,
 }
 
 /// `tollgate_request_duration_seconds` covers the whole request: until the response body has
@@ -248,7 +296,7 @@ impl Drop for Timed {
 }
 
 /// A place in a route's cap of waiting requests, released on drop.
-struct WaiterSlot<'a>(&'a Route);
+pub(crate) struct WaiterSlot<'a>(&'a Route);
 
 impl<'a> WaiterSlot<'a> {
     fn acquire(route: &'a Route) -> Option<Self> {
@@ -267,7 +315,7 @@ impl Drop for WaiterSlot<'_> {
     }
 }
 
-struct AbandonGuard<'a>(Option<&'a crate::limit::Limit>);
+pub(crate) struct AbandonGuard<'a>(pub Option<&'a crate::limit::Limit>);
 
 impl Drop for AbandonGuard<'_> {
     fn drop(&mut self) {

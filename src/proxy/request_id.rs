@@ -15,9 +15,7 @@ const MAX_LEN: usize = 128;
 /// The request's id, inserting a fresh one into `headers` when absent or unusable.
 pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
     if let Some(v) = headers.get(&X_REQUEST_ID)
-        && !v.is_empty()
-        && v.len() <= MAX_LEN
-        && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+        && sane(v.as_bytes())
     {
         return v.clone();
     }
@@ -26,9 +24,18 @@ pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
     id
 }
 
+/// A client's id is kept when it is this: not empty, not long, visible ASCII only.
+pub fn sane(v: &[u8]) -> bool {
+    !v.is_empty() && v.len() <= MAX_LEN && v.iter().all(|b| b.is_ascii_graphic())
+}
+
+fn generate() -> HeaderValue {
+    HeaderValue::from_bytes(&generate_hex()).unwrap_or_else(|_| HeaderValue::from_static("0"))
+}
+
 /// 32 hex digits: a per-process random prefix and a counter — unique without a random number
 /// generator on the request path.
-fn generate() -> HeaderValue {
+pub fn generate_hex() -> [u8; 32] {
     static PREFIX: OnceLock<u64> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let prefix = *PREFIX.get_or_init(|| {
@@ -47,7 +54,7 @@ fn generate() -> HeaderValue {
     for (i, d) in hex.iter_mut().enumerate() {
         *d = b"0123456789abcdef"[((digits >> (124 - 4 * i)) & 0xf) as usize];
     }
-    HeaderValue::from_bytes(&hex).unwrap_or_else(|_| HeaderValue::from_static("0"))
+    hex
 }
 
 #[cfg(test)]

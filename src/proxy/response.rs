@@ -135,11 +135,18 @@ pub fn too_many_requests(route: &str, limit: &Limit, r: &Rejection) -> Response<
 /// `RateLimit-Policy: "name";q=COUNT;w=SECONDS` and `RateLimit: "name";r=REMAINING;t=SECONDS`.
 pub fn set_ratelimit(h: &mut HeaderMap, limit: &Limit, info: &HeaderInfo) {
     h.insert(&RATELIMIT_POLICY, limit.policy.clone());
-    // `"name";r=R;t=T`, written by hand into a stack buffer: this runs on every admitted
-    // response, and the formatter's machinery was a visible part of it.
+    if let Some(v) = ratelimit_value(limit, info) {
+        h.insert(&RATELIMIT, v);
+    }
+}
+
+/// The `RateLimit` field's value: `"name";r=R;t=T`.
+pub fn ratelimit_value(limit: &Limit, info: &HeaderInfo) -> Option<HeaderValue> {
+    // Written by hand into a stack buffer: this runs on every admitted response, and the
+    // formatter's machinery was a visible part of it.
     let mut buf = [0u8; 160];
     let name = limit.name.as_bytes();
-    let v = if name.len() + 48 <= buf.len() {
+    if name.len() + 48 <= buf.len() {
         let mut len = 0;
         for part in [&b"\""[..], name, b"\";r="] {
             buf[len..len + part.len()].copy_from_slice(part);
@@ -157,9 +164,6 @@ pub fn set_ratelimit(h: &mut HeaderMap, limit: &Limit, info: &HeaderInfo) {
             info.remaining,
             ceil_secs(info.reset_after)
         ))
-    };
-    if let Some(v) = v {
-        h.insert(&RATELIMIT, v);
     }
 }
 

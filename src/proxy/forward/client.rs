@@ -48,6 +48,8 @@ pub struct Client {
     /// Plain `http://` upstreams (but upgrades): one [`Host`] pool each.
     plain: HttpConnector,
     hosts: Mutex<HashMap<Authority, Arc<Host>>>,
+    /// The fast path's raw pools, one per authority.
+    raw: Mutex<HashMap<Authority, Arc<crate::proxy::h1::upstream::Pool>>>,
     /// HTTP/1.1, pooled: upgrades, and `https://` upstreams without `h2`.
     http1: Pooled,
     /// Dials `https://` upstreams offering ALPN `h2` and `http/1.1`.
@@ -128,6 +130,7 @@ impl Client {
         Self {
             plain: http_connector(),
             hosts: Mutex::new(HashMap::new()),
+            raw: Mutex::new(HashMap::new()),
             http1,
             alpn,
             h2: RwLock::new(HashMap::new()),
@@ -150,6 +153,20 @@ impl Client {
                 .clone()
         });
         pool::send(&self.plain, host, req, started).await
+    }
+
+    /// The fast path's kept-alive connections to a plain upstream.
+    pub fn raw_pool<'u>(
+        &self,
+        upstream: &'u Upstream,
+    ) -> &'u Arc<crate::proxy::h1::upstream::Pool> {
+        upstream.raw.get_or_init(|| {
+            self.raw
+                .lock()
+                .entry(upstream.authority.clone())
+                .or_insert_with(|| crate::proxy::h1::upstream::Pool::new(&upstream.authority))
+                .clone()
+        })
     }
 
     /// Sends `req` (absolute URI: the upstream's scheme and authority; `Host` as it should reach

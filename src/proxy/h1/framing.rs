@@ -1,0 +1,275 @@
+//! Where a message body ends, found without decoding it: the fast path forwards a body's bytes
+//! exactly as they came (chunk sizes, extensions and trailers included), so all it needs is to
+//! know which of the bytes it holds still belong to the body.
+
+/// How a message's body is delimited (RFC 9112 §6.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Framing {
+    /// `Content-Length: n` (0 for a message without a body).
+    Length(u64),
+    Chunked(Chunked),
+    /// A response without length or chunked coding: it ends when the upstream closes.
+    UntilClose,
+}
+
+impl Framing {
+    pub fn is_done(&self) -> bool {
+        match self {
+            Framing::Length(n) => *n == 0,
+            Framing::Chunked(c) => c.is_done(),
+            Framing::UntilClose => false,
+        }
+    }
+
+    /// How many bytes at the start of `buf` belong to the body, advancing past them.
+    pub fn advance(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
+        match self {
+            Framing::Length(n) => {
+                let take = (*n).min(buf.len() as u64);
+                *n -= take;
+                Ok(take as usize)
+            }
+            Framing::Chunked(c) => c.scan(buf),
+            Framing::UntilClose => Ok(buf.len()),
+        }
+    }
+}
+
+/// The chunked coding is malformed; the exchange cannot go on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("malformed chunked body")]
+pub struct BadChunk;
+
+/// A chunk size this large is a client trying something: 2^60 bytes is beyond any real body.
+const MAX_CHUNK: u64 = 1 << 60;
+
+/// Tracks a chunked body (RFC 9112 §7.1) through any split of its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunked {
+    state: State,
+    /// The chunk size being read, then the data bytes left in the chunk.
+    n: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// First digit of a chunk size.
+    SizeStart,
+    Size,
+    /// Extensions (or whitespace) after the size, up to CR.
+    Ext,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    /// Start of a trailer line, or the CR of the final empty line.
+    TrailerStart,
+    Trailer,
+    TrailerLf,
+    EndLf,
+    Done,
+}
+
+impl Default for Chunked {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Chunked {
+    pub fn new() -> Self {
+        Self {
+            state: State::SizeStart,
+            n: 0,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Consumes from `buf` up to the body's end; returns how many bytes were the body's.
+    pub fn scan(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
+        let mut i = 0;
+        while i < buf.len() {
+            if self.state == State::Data {
+                let take = self.n.min((buf.len() - i) as u64);
+                self.n -= take;
+                i += take as usize;
+                if self.n == 0 {
+                    self.state = State::DataCr;
+                }
+                continue;
+            }
+            let b = buf[i];
+            i += 1;
+            self.state = match (self.state, b) {
+                (State::SizeStart, _) => {
+                    self.n = u64::from(hex(b).ok_or(BadChunk)?);
+                    State::Size
+                }
+                (State::Size, b'\r') => State::SizeLf,
+                (State::Size, b';' | b' ' | b'\t') => State::Ext,
+                (State::Size, _) => {
+                    self.n = self.n * 16 + u64::from(hex(b).ok_or(BadChunk)?);
+                    if self.n > MAX_CHUNK {
+                        return Err(BadChunk);
+                    }
+                    State::Size
+                }
+                (State::Ext, b'\r') => State::SizeLf,
+                (State::Ext, b'\n') => return Err(BadChunk),
+                (State::Ext, _) => State::Ext,
+                (State::SizeLf, b'\n') if self.n == 0 => State::TrailerStart,
+                (State::SizeLf, b'\n') => State::Data,
+                (State::DataCr, b'\r') => State::DataLf,
+                (State::DataLf, b'\n') => State::SizeStart,
+                (State::TrailerStart, b'\r') => State::EndLf,
+                (State::TrailerStart | State::Trailer, b'\n') => return Err(BadChunk),
+                (State::Trailer, b'\r') => State::TrailerLf,
+                (State::TrailerStart | State::Trailer, _) => State::Trailer,
+                (State::TrailerLf, b'\n') => State::TrailerStart,
+                (State::EndLf, b'\n') => {
+                    self.state = State::Done;
+                    return Ok(i);
+                }
+                (State::Done, _) => return Ok(i - 1),
+                _ => return Err(BadChunk),
+            };
+        }
+        Ok(i)
+    }
+}
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Scans `body` fed in pieces cut at `cuts`; returns the bytes counted as body.
+    fn scan_split(body: &[u8], cuts: &[usize]) -> Result<(usize, bool), BadChunk> {
+        let mut c = Chunked::new();
+        let mut at = 0;
+        let mut counted = 0;
+        let mut points: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
+        points.sort_unstable();
+        points.push(body.len());
+        for p in points {
+            if p < at {
+                continue;
+            }
+            let n = c.scan(&body[at..p])?;
+            counted += n;
+            if c.is_done() {
+                return Ok((counted, true));
+            }
+            assert_eq!(n, p - at, "bytes short of the end are all the body's");
+            at = p;
+        }
+        Ok((counted, c.is_done()))
+    }
+
+    fn encode(chunks: &[Vec<u8>], ext: bool, trailers: &[(&str, &str)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for c in chunks.iter().filter(|c| !c.is_empty()) {
+            out.extend_from_slice(format!("{:X}", c.len()).as_bytes());
+            if ext {
+                out.extend_from_slice(b";name=\"v\"");
+            }
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(c);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"0\r\n");
+        for (k, v) in trailers {
+            out.extend_from_slice(format!("{k}: {v}\r\n").as_bytes());
+        }
+        out.extend_from_slice(b"\r\n");
+        out
+    }
+
+    #[test]
+    fn a_body_ends_after_its_last_chunk_and_trailers_and_not_a_byte_later() {
+        let mut body = encode(&[b"hello".to_vec(), b" world".to_vec()], false, &[]);
+        let len = body.len();
+        body.extend_from_slice(b"GET /next HTTP/1.1\r\n");
+        let mut c = Chunked::new();
+        assert_eq!(c.scan(&body), Ok(len));
+        assert!(c.is_done());
+        let with_trailer = encode(&[b"x".to_vec()], true, &[("x-sum", "1")]);
+        let mut c = Chunked::new();
+        assert_eq!(c.scan(&with_trailer), Ok(with_trailer.len()));
+        assert!(c.is_done());
+    }
+
+    #[test]
+    fn malformed_codings_are_refused() {
+        for bad in [
+            &b"x\r\n"[..],
+            b"5\n",
+            b"5\r\nhelloX",
+            b"0\r\nbad\nline\r\n\r\n",
+            b"\r\n",
+            b"ffffffffffffffffff\r\n",
+        ] {
+            let mut c = Chunked::new();
+            assert_eq!(
+                c.scan(bad),
+                Err(BadChunk),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn length_framing_counts_down() {
+        let mut f = Framing::Length(5);
+        assert_eq!(f.advance(b"abc"), Ok(3));
+        assert_eq!(f.advance(b"defg"), Ok(2));
+        assert!(f.is_done());
+        assert_eq!(f.advance(b"x"), Ok(0));
+    }
+
+    proptest! {
+        /// Wherever the bytes are cut, the scanner finds the same end: the encoded length.
+        #[test]
+        fn the_end_is_found_through_any_split(
+            chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..40), 0..6),
+            ext in any::<bool>(),
+            trailer in any::<bool>(),
+            cuts in proptest::collection::vec(0usize..400, 0..8),
+            tail in proptest::collection::vec(any::<u8>(), 0..10),
+        ) {
+            let trailers: &[(&str, &str)] = if trailer { &[("x-t", "v")] } else { &[] };
+            let body = encode(&chunks, ext, trailers);
+            let mut stream = body.clone();
+            stream.extend_from_slice(&tail);
+            let (counted, done) = scan_split(&stream, &cuts).unwrap();
+            prop_assert!(done);
+            prop_assert_eq!(counted, body.len());
+        }
+
+        /// A body cut short is never taken as complete.
+        #[test]
+        fn a_truncated_body_is_not_done(
+            chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..40), 1..4),
+            cut in 0usize..1000,
+        ) {
+            let body = encode(&chunks, false, &[]);
+            let cut = cut % body.len();
+            let mut c = Chunked::new();
+            prop_assert_eq!(c.scan(&body[..cut]), Ok(cut));
+            prop_assert!(!c.is_done());
+        }
+    }
+}

@@ -1,0 +1,492 @@
+//! Request and response heads as the fast path sees them: parsed once with `httparse` into
+//! offsets of the connection's buffer, classified by the few names a proxy acts on, and written
+//! back out field by field — no `HeaderMap`, no per-field allocation.
+//!
+//! Anything this does not handle plainly (another HTTP version, a protocol switch, `Expect`,
+//! an ambiguous body length, an oversized head) is not an error here: the request goes to the
+//! general path, whose answers for those cases are the reference.
+
+use std::ops::Range;
+
+use http::Method;
+
+use super::framing::{Chunked, Framing};
+
+/// Fields in a head the fast path parses; more go to the general path.
+pub const MAX_FIELDS: usize = 64;
+/// Longest head the fast path parses; longer ones go to the general path (which answers 431
+/// past its own limit).
+pub const MAX_HEAD: usize = 16 * 1024;
+
+/// The names the proxy acts on; everything else is copied through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Name {
+    Other,
+    Host,
+    ContentLength,
+    TransferEncoding,
+    Connection,
+    /// Hop-by-hop besides `Connection` and `Transfer-Encoding` (RFC 9110 §7.6.1 and the usual
+    /// proxy fields): never forwarded.
+    HopByHop,
+    Upgrade,
+    Expect,
+    XForwardedFor,
+    XForwardedProto,
+    XForwardedHost,
+    RequestId,
+    RateLimit,
+    RateLimitPolicy,
+    Date,
+}
+
+pub fn classify(name: &[u8]) -> Name {
+    let is = |s: &str| name.eq_ignore_ascii_case(s.as_bytes());
+    match name.len() {
+        2 if is("te") => Name::HopByHop,
+        4 if is("host") => Name::Host,
+        4 if is("date") => Name::Date,
+        6 if is("expect") => Name::Expect,
+        7 if is("upgrade") => Name::Upgrade,
+        7 if is("trailer") => Name::HopByHop,
+        9 if is("ratelimit") => Name::RateLimit,
+        10 if is("connection") => Name::Connection,
+        10 if is("keep-alive") => Name::HopByHop,
+        12 if is("x-request-id") => Name::RequestId,
+        14 if is("content-length") => Name::ContentLength,
+        15 if is("x-forwarded-for") => Name::XForwardedFor,
+        16 if is("x-forwarded-host") => Name::XForwardedHost,
+        16 if is("proxy-connection") => Name::HopByHop,
+        16 if is("ratelimit-policy") => Name::RateLimitPolicy,
+        17 if is("transfer-encoding") => Name::TransferEncoding,
+        17 if is("x-forwarded-proto") => Name::XForwardedProto,
+        18 if is("proxy-authenticate") => Name::HopByHop,
+        19 if is("proxy-authorization") => Name::HopByHop,
+        _ => Name::Other,
+    }
+}
+
+/// One field: name and value as offsets into the head's buffer, and what the name is.
+#[derive(Debug, Clone)]
+pub struct Field {
+    pub name: Range<usize>,
+    pub value: Range<usize>,
+    pub kind: Name,
+}
+
+/// What the `Connection` fields said.
+#[derive(Debug, Default, Clone)]
+pub struct ConnectionTokens {
+    pub close: bool,
+    pub keep_alive: bool,
+    pub upgrade: bool,
+    /// Other tokens: names of fields that are hop-by-hop for this message.
+    pub named: smallvec::SmallVec<[Range<usize>; 2]>,
+}
+
+impl ConnectionTokens {
+    fn read(&mut self, buf: &[u8], value: Range<usize>) {
+        let mut start = value.start;
+        for i in value.start..=value.end {
+            if i == value.end || buf[i] == b',' {
+                let mut t = start..i;
+                while t.start < t.end && buf[t.start].is_ascii_whitespace() {
+                    t.start += 1;
+                }
+                while t.end > t.start && buf[t.end - 1].is_ascii_whitespace() {
+                    t.end -= 1;
+                }
+                let tok = &buf[t.clone()];
+                if tok.eq_ignore_ascii_case(b"close") {
+                    self.close = true;
+                } else if tok.eq_ignore_ascii_case(b"keep-alive") {
+                    self.keep_alive = true;
+                } else if tok.eq_ignore_ascii_case(b"upgrade") {
+                    self.upgrade = true;
+                } else if !tok.is_empty() {
+                    self.named.push(t);
+                }
+                start = i + 1;
+            }
+        }
+    }
+
+    /// The field is named by `Connection` and so must not be forwarded.
+    pub fn names(&self, buf: &[u8], name: &[u8]) -> bool {
+        self.named
+            .iter()
+            .any(|t| buf[t.clone()].eq_ignore_ascii_case(name))
+    }
+}
+
+/// A request head the fast path takes.
+#[derive(Debug)]
+pub struct RequestHead {
+    pub method: Method,
+    pub target: Range<usize>,
+    pub len: usize,
+    pub host: Option<Range<usize>>,
+    pub request_id: Option<Range<usize>>,
+    pub framing: Framing,
+    pub connection: ConnectionTokens,
+    pub x_forwarded_for: bool,
+    pub x_forwarded_proto: bool,
+    pub x_forwarded_host: bool,
+}
+
+pub enum ParsedRequest {
+    Complete(RequestHead),
+    /// More bytes needed.
+    Partial,
+    /// Not for the fast path (see the module doc); the general path reads it from the start.
+    General,
+}
+
+/// Parses the request head at the start of `buf`; `fields` is refilled (kept across requests
+/// so it is allocated once per connection).
+pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
+    let mut raw = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    let mut req = httparse::Request::new(&mut raw);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return ParsedRequest::Partial,
+        _ => return ParsedRequest::General,
+    };
+    if len > MAX_HEAD || req.version != Some(1) {
+        return ParsedRequest::General;
+    }
+    let (Some(method), Some(path)) = (req.method, req.path) else {
+        return ParsedRequest::General;
+    };
+    if !path.starts_with('/') {
+        // Absolute form, authority form (CONNECT), `*`.
+        return ParsedRequest::General;
+    }
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return ParsedRequest::General;
+    };
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| {
+        let start = s.as_ptr() as usize - base;
+        start..start + s.len()
+    };
+    let mut head = RequestHead {
+        method,
+        target: at(path.as_bytes()),
+        len,
+        host: None,
+        request_id: None,
+        framing: Framing::Length(0),
+        connection: ConnectionTokens::default(),
+        x_forwarded_for: false,
+        x_forwarded_proto: false,
+        x_forwarded_host: false,
+    };
+    fields.clear();
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    for h in req.headers.iter() {
+        let kind = classify(h.name.as_bytes());
+        let field = Field {
+            name: at(h.name.as_bytes()),
+            value: at(h.value),
+            kind,
+        };
+        match kind {
+            Name::Host if head.host.is_none() => head.host = Some(field.value.clone()),
+            // Two Host fields: the general path refuses the request.
+            Name::Host => return ParsedRequest::General,
+            Name::RequestId if head.request_id.is_none() => {
+                head.request_id = Some(field.value.clone())
+            }
+            Name::ContentLength => {
+                if length.is_some() {
+                    return ParsedRequest::General;
+                }
+                match parse_length(h.value) {
+                    Some(n) => length = Some(n),
+                    None => return ParsedRequest::General,
+                }
+            }
+            Name::TransferEncoding => {
+                if chunked || !trimmed(h.value).eq_ignore_ascii_case(b"chunked") {
+                    return ParsedRequest::General;
+                }
+                chunked = true;
+            }
+            Name::Connection => head.connection.read(buf, field.value.clone()),
+            Name::Upgrade | Name::Expect => return ParsedRequest::General,
+            Name::XForwardedFor => head.x_forwarded_for = true,
+            Name::XForwardedProto => head.x_forwarded_proto = true,
+            Name::XForwardedHost => head.x_forwarded_host = true,
+            _ => {}
+        }
+        fields.push(field);
+    }
+    if head.connection.upgrade {
+        return ParsedRequest::General;
+    }
+    head.framing = match (length, chunked) {
+        (Some(_), true) => return ParsedRequest::General,
+        (Some(n), false) => Framing::Length(n),
+        (None, true) => Framing::Chunked(Chunked::new()),
+        (None, false) => Framing::Length(0),
+    };
+    ParsedRequest::Complete(head)
+}
+
+/// A response head from an upstream.
+#[derive(Debug)]
+pub struct ResponseHead {
+    pub status: u16,
+    pub reason: Range<usize>,
+    pub len: usize,
+    pub framing: Framing,
+    pub connection: ConnectionTokens,
+    /// HTTP/1.0 without `keep-alive`, or `Connection: close`: the upstream closes after it.
+    pub closes: bool,
+    pub has_date: bool,
+}
+
+pub enum ParsedResponse {
+    Complete(ResponseHead),
+    Partial,
+    Invalid,
+}
+
+/// Parses the response head at the start of `buf`. `head_request`: the request was HEAD, so
+/// the response has no body whatever its fields say.
+pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -> ParsedResponse {
+    let mut raw = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    let mut resp = httparse::Response::new(&mut raw);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD * 4 => {
+            return ParsedResponse::Partial;
+        }
+        _ => return ParsedResponse::Invalid,
+    };
+    let (Some(status), Some(version)) = (resp.code, resp.version) else {
+        return ParsedResponse::Invalid;
+    };
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| {
+        let start = s.as_ptr() as usize - base;
+        start..start + s.len()
+    };
+    let reason = resp.reason.map_or(0..0, |r| at(r.as_bytes()));
+    fields.clear();
+    let mut length: Option<u64> = None;
+    let mut te: Option<Range<usize>> = None;
+    let mut connection = ConnectionTokens::default();
+    let mut has_date = false;
+    for h in resp.headers.iter() {
+        let kind = classify(h.name.as_bytes());
+        let field = Field {
+            name: at(h.name.as_bytes()),
+            value: at(h.value),
+            kind,
+        };
+        match kind {
+            Name::ContentLength => match (length, parse_length(h.value)) {
+                (None, Some(n)) => length = Some(n),
+                (Some(a), Some(b)) if a == b => {}
+                _ => return ParsedResponse::Invalid,
+            },
+            Name::TransferEncoding => te = Some(field.value.clone()),
+            Name::Connection => connection.read(buf, field.value.clone()),
+            Name::Date => has_date = true,
+            _ => {}
+        }
+        fields.push(field);
+    }
+    let no_body = head_request || (100..200).contains(&status) || status == 204 || status == 304;
+    let framing = if no_body {
+        Framing::Length(0)
+    } else if let Some(te) = te {
+        // The final coding decides; anything but chunked runs until the upstream closes.
+        let last = buf[te].rsplit(|b| *b == b',').next().unwrap_or_default();
+        if trimmed(last).eq_ignore_ascii_case(b"chunked") {
+            Framing::Chunked(Chunked::new())
+        } else {
+            Framing::UntilClose
+        }
+    } else if let Some(n) = length {
+        Framing::Length(n)
+    } else {
+        Framing::UntilClose
+    };
+    let closes = connection.close || (version == 0 && !connection.keep_alive);
+    ParsedResponse::Complete(ResponseHead {
+        status,
+        reason,
+        len,
+        framing,
+        connection,
+        closes,
+        has_date,
+    })
+}
+
+fn trimmed(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &v[start..end]
+}
+
+fn parse_length(v: &[u8]) -> Option<u64> {
+    let v = trimmed(v);
+    if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(v.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// `n` in decimal.
+pub fn push_u64(out: &mut Vec<u8>, n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
+}
+
+/// Appends `name: value\r\n`.
+pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(text: &str) -> Option<RequestHead> {
+        match parse_request(text.as_bytes(), &mut Vec::new()) {
+            ParsedRequest::Complete(h) => Some(h),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_plain_request_is_taken_with_its_facts() {
+        let text = "POST /a?b=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close, X-Secret\r\nX-Forwarded-For: 1.1.1.1\r\n\r\nhello";
+        let mut fields = Vec::new();
+        let ParsedRequest::Complete(h) = parse_request(text.as_bytes(), &mut fields) else {
+            panic!("not complete");
+        };
+        assert_eq!(h.method, Method::POST);
+        assert_eq!(&text[h.target.clone()], "/a?b=1");
+        assert_eq!(&text[h.host.clone().unwrap()], "x");
+        assert_eq!(h.framing, Framing::Length(5));
+        assert!(h.connection.close);
+        assert!(h.connection.names(text.as_bytes(), b"x-secret"));
+        assert!(h.x_forwarded_for);
+        assert_eq!(&text[h.len..], "hello");
+        assert_eq!(fields.len(), 4);
+    }
+
+    #[test]
+    fn what_the_general_path_decides_goes_there() {
+        for text in [
+            "GET / HTTP/1.0\r\n\r\n",
+            "GET http://x/ HTTP/1.1\r\n\r\n",
+            "CONNECT x:443 HTTP/1.1\r\n\r\n",
+            "OPTIONS * HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            "POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
+            "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            "POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+            "POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            "GARBAGE\r\n\r\n",
+        ] {
+            assert!(
+                matches!(
+                    parse_request(text.as_bytes(), &mut Vec::new()),
+                    ParsedRequest::General
+                ),
+                "{text:?}"
+            );
+        }
+        assert!(matches!(
+            parse_request(b"GET / HTTP/1.1\r\nHost:", &mut Vec::new()),
+            ParsedRequest::Partial
+        ));
+        assert!(req("GET / HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n").is_some());
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112() {
+        let cases: [(&str, bool, Framing); 7] = [
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n",
+                false,
+                Framing::Length(3),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n",
+                true,
+                Framing::Length(0),
+            ),
+            ("HTTP/1.1 204 No Content\r\n\r\n", false, Framing::Length(0)),
+            (
+                "HTTP/1.1 304 Not Modified\r\nContent-Length: 9\r\n\r\n",
+                false,
+                Framing::Length(0),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 3\r\n\r\n",
+                false,
+                Framing::Chunked(Chunked::new()),
+            ),
+            ("HTTP/1.1 200 OK\r\n\r\n", false, Framing::UntilClose),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+                false,
+                Framing::UntilClose,
+            ),
+        ];
+        for (text, head, framing) in cases {
+            let ParsedResponse::Complete(r) =
+                parse_response(text.as_bytes(), head, &mut Vec::new())
+            else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.framing, framing, "{text:?}");
+        }
+        let ParsedResponse::Complete(r) = parse_response(
+            b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+            false,
+            &mut Vec::new(),
+        ) else {
+            panic!();
+        };
+        assert!(r.closes);
+        assert!(matches!(
+            parse_response(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                false,
+                &mut Vec::new()
+            ),
+            ParsedResponse::Invalid
+        ));
+    }
+}
