@@ -111,10 +111,11 @@ impl Chunked {
                 (State::Size, b'\r') => State::SizeLf,
                 (State::Size, b';' | b' ' | b'\t') => State::Ext,
                 (State::Size, _) => {
-                    self.n = self.n * 16 + u64::from(hex(b).ok_or(BadChunk)?);
-                    if self.n > MAX_CHUNK {
+                    let d = hex(b).ok_or(BadChunk)?;
+                    if self.n > MAX_CHUNK >> 4 {
                         return Err(BadChunk);
                     }
+                    self.n = self.n * 16 + u64::from(d);
                     State::Size
                 }
                 (State::Ext, b'\r') => State::SizeLf,
@@ -220,6 +221,9 @@ mod tests {
             b"0\r\nbad\nline\r\n\r\n",
             b"\r\n",
             b"ffffffffffffffffff\r\n",
+            // 2^64 + 15: would wrap to 15 without the bound.
+            b"1000000000000000F\r\n",
+            b"10000000000000000\r\n\r\n",
         ] {
             let mut c = Chunked::new();
             assert_eq!(

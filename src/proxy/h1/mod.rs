@@ -356,17 +356,19 @@ impl Conn {
         let pool = self.proxy.client.raw_pool(upstream);
         self.write_upstream_head(route, upstream, head, bytes, uri, rid, trusted);
         let t0 = Instant::now();
+        let mut pump = Pump::default();
         let result = tokio::time::timeout(
             route.timeout,
             exchange(
                 pool,
                 &self.out,
+                &head.method,
                 &mut head.framing,
+                &mut pump,
                 &mut self.client,
                 &mut self.rbuf,
                 &mut self.ubuf,
                 &mut self.ufields,
-                head.method == Method::HEAD,
                 t0,
             ),
         )
@@ -400,59 +402,57 @@ impl Conn {
             }
         };
         route.metrics.request(resp.status);
-        let body_done = head.framing.is_done();
-        let close = head.connection.close || !body_done || *self.stop.borrow();
+        // The request body still coming when the response starts: the client connection closes
+        // after this exchange (whatever of the body the upstream does not take is read off).
+        let body_sent = head.framing.is_done() && pump.pending.is_empty();
+        let close = head.connection.close || !body_sent || *self.stop.borrow();
         let mut framing = resp.framing.clone();
         let rechunk = framing == Framing::UntilClose;
         self.write_client_head(route, &resp, bytes, rid, info.as_ref(), close);
         // The body bytes that came with the head go out with it, in one write.
         self.ubuf.advance(resp.len);
-        let n = match framing.advance(&self.ubuf) {
-            Ok(n) => n,
-            Err(_) => return (resp.status, Step::Close { linger: !body_done }),
+        let Ok(n) = framing.advance(&self.ubuf) else {
+            return (resp.status, Step::Close { linger: !body_sent });
         };
         push_body(&mut self.out, &self.ubuf[..n], rechunk);
         self.ubuf.advance(n);
-        if self.client.write_all(&self.out).await.is_err() {
+        let relayed = if body_sent {
+            relay(
+                &mut self.client,
+                &mut up,
+                &mut self.ubuf,
+                &mut self.out,
+                &mut framing,
+                rechunk,
+            )
+            .await
+        } else {
+            relay_duplex(
+                &mut self.client,
+                &mut self.rbuf,
+                &mut head.framing,
+                &mut pump,
+                &mut up,
+                &mut self.ubuf,
+                &mut self.out,
+                &mut framing,
+                rechunk,
+            )
+            .await
+        };
+        if relayed.is_err() {
+            // Cut short on either side: the client must see the body end badly, not complete.
             return (resp.status, Step::Close { linger: false });
         }
-        let mut upstream_ok = !resp.closes && !rechunk && body_done;
-        while !framing.is_done() {
-            self.ubuf.clear();
-            match read_more(&mut up, &mut self.ubuf).await {
-                Ok(0) if rechunk => {
-                    upstream_ok = false;
-                    if self.client.write_all(b"0\r\n\r\n").await.is_err() {
-                        return (resp.status, Step::Close { linger: false });
-                    }
-                    break;
-                }
-                Ok(n) if n > 0 => {}
-                // Cut short: the client must see the body end badly, not a complete one.
-                _ => return (resp.status, Step::Close { linger: false }),
-            }
-            let n = match framing.advance(&self.ubuf) {
-                Ok(n) => n,
-                Err(_) => return (resp.status, Step::Close { linger: false }),
-            };
-            let sent = if rechunk {
-                self.out.clear();
-                push_body(&mut self.out, &self.ubuf[..n], true);
-                self.client.write_all(&self.out).await
-            } else {
-                self.client.write_all(&self.ubuf[..n]).await
-            };
-            if sent.is_err() {
-                return (resp.status, Step::Close { linger: false });
-            }
-            self.ubuf.advance(n);
-        }
-        if upstream_ok && self.ubuf.is_empty() {
+        let request_done = head.framing.is_done() && pump.pending.is_empty() && !pump.broken;
+        if request_done && !resp.closes && !rechunk && self.ubuf.is_empty() {
             pool.checkin(up, Instant::now());
         }
         self.ubuf.clear();
         let step = if close {
-            Step::Close { linger: !body_done }
+            Step::Close {
+                linger: !head.framing.is_done(),
+            }
         } else {
             Step::Keep
         };
@@ -477,7 +477,14 @@ impl Conn {
         out.extend_from_slice(upstream.base_path.as_bytes());
         out.extend_from_slice(uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
         out.extend_from_slice(b" HTTP/1.1\r\n");
+        // Fields the client's `Connection` names are hop-by-hop, except those that frame the
+        // message or that tollgate sets itself: dropping `Content-Length` would let the body be
+        // read upstream as a request of its own.
         let named = !head.connection.named.is_empty();
+        let dropped = |name: &[u8]| named && head.connection.names(bytes, name);
+        let xff_kept = !dropped(b"x-forwarded-for");
+        let xfp_kept = trusted && head.x_forwarded_proto && !dropped(b"x-forwarded-proto");
+        let xfh_kept = trusted && head.x_forwarded_host && !dropped(b"x-forwarded-host");
         let mut xff: smallvec::SmallVec<[Range; 2]> = smallvec::SmallVec::new();
         for f in &self.fields {
             let keep = match f.kind {
@@ -486,15 +493,21 @@ impl Conn {
                 | Name::TransferEncoding
                 | Name::HopByHop
                 | Name::Upgrade => false,
+                Name::ContentLength => true,
                 Name::XForwardedFor => {
-                    xff.push(f.value.clone());
+                    if xff_kept {
+                        xff.push(f.value.clone());
+                    }
                     false
                 }
-                Name::XForwardedProto | Name::XForwardedHost => trusted,
-                Name::RequestId => matches!(rid, RequestId::Client(_)),
-                _ => true,
+                Name::XForwardedProto => xfp_kept,
+                Name::XForwardedHost => xfh_kept,
+                Name::RequestId => {
+                    matches!(rid, RequestId::Client(_)) && !dropped(&bytes[f.name.clone()])
+                }
+                _ => !dropped(&bytes[f.name.clone()]),
             };
-            if keep && !(named && head.connection.names(bytes, &bytes[f.name.clone()])) {
+            if keep {
                 head::push_field(out, &bytes[f.name.clone()], &bytes[f.value.clone()]);
             }
         }
@@ -518,12 +531,10 @@ impl Conn {
         }
         out.extend_from_slice(peer_text);
         out.extend_from_slice(b"\r\n");
-        if !(trusted && head.x_forwarded_proto) {
+        if !xfp_kept {
             head::push_field(out, b"x-forwarded-proto", self.proxy.proto.as_bytes());
         }
-        if !(trusted && head.x_forwarded_host)
-            && let Some(h) = client_host
-        {
+        if !xfh_kept && let Some(h) = client_host {
             head::push_field(out, b"x-forwarded-host", h);
         }
         if let RequestId::Ours(id) = rid {
@@ -563,14 +574,16 @@ impl Conn {
         let named = !resp.connection.named.is_empty();
         let length_framed = matches!(resp.framing, Framing::Length(_));
         for f in &self.ufields {
+            let dropped = named && resp.connection.names(up, &up[f.name.clone()]);
             let keep = match f.kind {
                 Name::Connection | Name::TransferEncoding | Name::HopByHop | Name::Upgrade => false,
                 Name::RequestId => false,
-                Name::RateLimit | Name::RateLimitPolicy => info.is_none(),
+                // The framing field is never taken as hop-by-hop (see the request side).
                 Name::ContentLength => length_framed,
-                _ => true,
+                Name::RateLimit | Name::RateLimitPolicy => info.is_none() && !dropped,
+                _ => !dropped,
             };
-            if keep && !(named && resp.connection.names(up, &up[f.name.clone()])) {
+            if keep {
                 head::push_field(out, &up[f.name.clone()], &up[f.value.clone()]);
             }
         }
@@ -594,8 +607,10 @@ impl Conn {
         out.extend_from_slice(b"\r\n");
     }
 
-    /// Sends a response of tollgate's own. The request's body is read off first (up to
-    /// [`DISCARD_MAX`]) so the connection can serve the next request.
+    /// Sends a response of tollgate's own. The part of the request's body already here is
+    /// dropped, and the connection stays usable when that was all of it; a body still coming is
+    /// not waited for (the answer goes at once and the connection closes, reading off what the
+    /// client still sends for a moment, see [`Conn::close`]).
     async fn answer(
         &mut self,
         resp: Response<Body>,
@@ -606,8 +621,14 @@ impl Conn {
     ) -> Step {
         let status = resp.status();
         metrics.request(status.as_u16());
-        let discarded = self.discard(&mut head.framing).await;
-        let close = head.connection.close || !discarded || *self.stop.borrow();
+        let body_read = match head.framing.advance(&self.rbuf) {
+            Ok(n) => {
+                self.rbuf.advance(n);
+                head.framing.is_done()
+            }
+            Err(_) => false,
+        };
+        let close = head.connection.close || !body_read || *self.stop.borrow();
         let (parts, body) = resp.into_parts();
         let body = body
             .collect()
@@ -640,36 +661,9 @@ impl Conn {
             return Step::Close { linger: false };
         }
         if close {
-            Step::Close {
-                linger: !head.framing.is_done(),
-            }
+            Step::Close { linger: !body_read }
         } else {
             Step::Keep
-        }
-    }
-
-    /// Reads the rest of the request body and drops it; false if that could not be done.
-    async fn discard(&mut self, framing: &mut Framing) -> bool {
-        let mut budget = DISCARD_MAX;
-        loop {
-            let n = match framing.advance(&self.rbuf) {
-                Ok(n) => n,
-                Err(_) => return false,
-            };
-            self.rbuf.advance(n);
-            if framing.is_done() {
-                return true;
-            }
-            budget = match budget.checked_sub(n) {
-                Some(b) if b > 0 => b,
-                _ => return false,
-            };
-            match tokio::time::timeout(HEAD_TIMEOUT, read_more(&mut self.client, &mut self.rbuf))
-                .await
-            {
-                Ok(Ok(n)) if n > 0 => {}
-                _ => return false,
-            }
         }
     }
 
@@ -694,88 +688,253 @@ impl Conn {
     }
 }
 
-/// Writes the request to a pooled (or new) upstream connection and reads the response head.
-/// The request body is sent while the head is awaited: an upstream may answer before it has
-/// read the body (then the body's rest is not sent, and the client connection closes after).
+/// The request body's side of an exchange: bytes counted as body (taken out of the client's
+/// buffer) but not yet sent, and whether the upstream stopped taking them.
+#[derive(Default)]
+struct Pump {
+    pending: Bytes,
+    broken: bool,
+}
+
+impl Pump {
+    /// Takes the next body bytes from `rbuf` when the last ones are sent; false once the body
+    /// is malformed.
+    fn feed(&mut self, rbuf: &mut BytesMut, body: &mut Framing) -> Result<(), Failure> {
+        if self.pending.is_empty() && !body.is_done() && !rbuf.is_empty() {
+            let n = body.advance(rbuf).map_err(|_| Failure::BadBody)?;
+            self.pending = rbuf.split_to(n).freeze();
+        }
+        Ok(())
+    }
+
+    /// Wants more of the body from the client.
+    fn wants(&self, body: &Framing) -> bool {
+        !self.broken && self.pending.is_empty() && !body.is_done()
+    }
+}
+
+/// Writes the request to a pooled (or new) upstream connection and reads the response head,
+/// sending the request body meanwhile: an upstream may answer before it has read the body, and
+/// one that stops reading it can still answer (a 413, say).
+///
+/// A pooled connection that fails the first write took nothing: the request goes on another.
+/// One that ends before any byte of a response may have been closed by the upstream just as
+/// the request went out, or may have been acted on: only a safe method is sent again then.
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
     pool: &Arc<upstream::Pool>,
     request_head: &[u8],
-    framing: &mut Framing,
+    method: &Method,
+    body: &mut Framing,
+    pump: &mut Pump,
     client: &mut TcpStream,
     rbuf: &mut BytesMut,
     ubuf: &mut BytesMut,
     ufields: &mut Vec<Field>,
-    head_request: bool,
     now: Instant,
 ) -> Result<(TcpStream, ResponseHead), Failure> {
-    let bodyless = framing.is_done();
+    let safe = matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    );
+    let head_request = *method == Method::HEAD;
+    // Sent again only when nothing of the client's body was used up by the first try.
+    let bodyless = body.is_done();
     let mut stale = 0;
     loop {
-        let (mut up, reused) = match pool.checkout(now) {
+        let pooled = if stale < STALE_RETRIES {
+            pool.checkout(now)
+        } else {
+            None
+        };
+        let (mut up, reused) = match pooled {
             Some(s) => (s, true),
             None => (pool.connect().await.map_err(Failure::Upstream)?, false),
         };
-        // A pooled connection the upstream closed meanwhile fails before any of the request
-        // can have been used: try another (nothing of the client's body is consumed yet).
-        let retry = reused && stale < STALE_RETRIES;
         ubuf.clear();
-        if let Err(e) = up.write_all(request_head).await {
-            if retry {
+        match up.write(request_head).await {
+            Ok(n) if n > 0 => {
+                if n < request_head.len() {
+                    up.write_all(&request_head[n..])
+                        .await
+                        .map_err(Failure::Upstream)?;
+                }
+            }
+            Ok(_) | Err(_) if reused => {
                 stale += 1;
                 continue;
             }
-            return Err(Failure::Upstream(e));
+            Ok(_) => return Err(Failure::Upstream(io::ErrorKind::WriteZero.into())),
+            Err(e) => return Err(Failure::Upstream(e)),
         }
-        if bodyless {
-            match read_response(&mut up, ubuf, ufields, head_request).await {
-                Ok(h) => return Ok((up, h)),
-                Err(ReadError::Closed) if retry => {
-                    stale += 1;
-                    continue;
-                }
-                Err(e) => return Err(Failure::Upstream(e.into())),
-            }
-        }
-        let head = {
-            let (mut ur, mut uw) = up.split();
-            let pump = std::pin::pin!(pump_body(client, rbuf, framing, &mut uw));
-            let read = std::pin::pin!(read_response(&mut ur, ubuf, ufields, head_request));
-            match futures_util::future::select(pump, read).await {
-                futures_util::future::Either::Left((Ok(()), read)) => {
-                    read.await.map_err(|e| Failure::Upstream(e.into()))?
-                }
-                futures_util::future::Either::Left((Err(e), _)) => return Err(e),
-                futures_util::future::Either::Right((r, _)) => {
-                    r.map_err(|e| Failure::Upstream(e.into()))?
-                }
-            }
+        let read = if body.is_done() {
+            read_response(&mut up, ubuf, ufields, head_request).await
+        } else {
+            send_body_until_head(
+                client,
+                rbuf,
+                body,
+                pump,
+                &mut up,
+                ubuf,
+                ufields,
+                head_request,
+            )
+            .await?
         };
-        return Ok((up, head));
+        match read {
+            Ok(h) => return Ok((up, h)),
+            Err(ReadError::Closed) if reused && safe && bodyless => {
+                stale += 1;
+                continue;
+            }
+            Err(e) => return Err(Failure::Upstream(e.into())),
+        }
     }
 }
 
-/// Sends the request body's bytes as they come, until its framing says it ended.
-async fn pump_body<W: AsyncWrite + Unpin>(
+/// Sends the request body as it comes while waiting for the response head. Each step is one
+/// read or one write, so what is not done stays in `pump` and the buffers when the head comes.
+#[allow(clippy::too_many_arguments)]
+async fn send_body_until_head(
     client: &mut TcpStream,
     rbuf: &mut BytesMut,
-    framing: &mut Framing,
-    up: &mut W,
-) -> Result<(), Failure> {
+    body: &mut Framing,
+    pump: &mut Pump,
+    up: &mut TcpStream,
+    ubuf: &mut BytesMut,
+    ufields: &mut Vec<Field>,
+    head_request: bool,
+) -> Result<Result<ResponseHead, ReadError>, Failure> {
+    let (mut ur, mut uw) = up.split();
+    let mut got_any = false;
     loop {
-        if !rbuf.is_empty() {
-            let n = framing.advance(rbuf).map_err(|_| Failure::BadBody)?;
-            if n > 0 {
-                let chunk = rbuf.split_to(n);
-                up.write_all(&chunk).await.map_err(Failure::Upstream)?;
+        pump.feed(rbuf, body)?;
+        let sending = !pump.broken && !pump.pending.is_empty();
+        let wants = pump.wants(body);
+        tokio::select! {
+            r = uw.write(&pump.pending), if sending => match r {
+                Ok(n) if n > 0 => pump.pending.advance(n),
+                // The upstream stopped reading: its answer may still come.
+                _ => pump.broken = true,
+            },
+            r = read_more(client, rbuf), if wants => match r {
+                Ok(n) if n > 0 => {}
+                _ => return Err(Failure::Client),
+            },
+            r = read_more(&mut ur, ubuf) => {
+                match r {
+                    Ok(0) if !got_any => return Ok(Err(ReadError::Closed)),
+                    Ok(0) => return Ok(Err(ReadError::Invalid("response head cut short"))),
+                    Ok(_) => got_any = true,
+                    Err(e) => return Ok(Err(ReadError::Io(e))),
+                }
+                match parse_final(ubuf, head_request, ufields) {
+                    Ok(Some(h)) => return Ok(Ok(h)),
+                    Ok(None) => {}
+                    Err(e) => return Ok(Err(e)),
+                }
             }
         }
-        if framing.is_done() {
-            return Ok(());
-        }
-        match read_more(client, rbuf).await {
+    }
+}
+
+/// Copies the rest of a response body (its framing says when it ends) to the client, after
+/// what `out` holds (the head and the body bytes that came with it).
+async fn relay(
+    client: &mut TcpStream,
+    up: &mut TcpStream,
+    ubuf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    framing: &mut Framing,
+    rechunk: bool,
+) -> Result<(), ()> {
+    client.write_all(out).await.map_err(|_| ())?;
+    while !framing.is_done() {
+        ubuf.clear();
+        match read_more(up, ubuf).await {
+            Ok(0) if rechunk => {
+                return client.write_all(b"0\r\n\r\n").await.map_err(|_| ());
+            }
             Ok(n) if n > 0 => {}
-            _ => return Err(Failure::Client),
+            _ => return Err(()),
+        }
+        let n = framing.advance(ubuf).map_err(|_| ())?;
+        let sent = if rechunk {
+            out.clear();
+            push_body(out, &ubuf[..n], true);
+            client.write_all(out).await
+        } else {
+            client.write_all(&ubuf[..n]).await
+        };
+        sent.map_err(|_| ())?;
+        ubuf.advance(n);
+    }
+    Ok(())
+}
+
+/// [`relay`] while the request body is still being sent: both directions at once, as an
+/// upstream that streams its answer while reading the body needs. Each step is one read or one
+/// write; a request body the upstream no longer takes is dropped (the connection closes after).
+#[allow(clippy::too_many_arguments)]
+async fn relay_duplex(
+    client: &mut TcpStream,
+    rbuf: &mut BytesMut,
+    body: &mut Framing,
+    pump: &mut Pump,
+    up: &mut TcpStream,
+    ubuf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    framing: &mut Framing,
+    rechunk: bool,
+) -> Result<(), ()> {
+    let (mut cr, mut cw) = client.split();
+    let (mut ur, mut uw) = up.split();
+    let mut written = 0;
+    let mut done = framing.is_done();
+    loop {
+        if written == out.len() {
+            out.clear();
+            written = 0;
+            if done {
+                return Ok(());
+            }
+        }
+        pump.feed(rbuf, body).map_err(|_| ())?;
+        let sending = !pump.broken && !pump.pending.is_empty();
+        let wants = pump.wants(body) && rbuf.len() < WAIT_READ_MAX;
+        let flushing = written < out.len();
+        tokio::select! {
+            r = uw.write(&pump.pending), if sending => match r {
+                Ok(n) if n > 0 => pump.pending.advance(n),
+                _ => pump.broken = true,
+            },
+            r = read_more(&mut cr, rbuf), if wants => match r {
+                Ok(n) if n > 0 => {}
+                _ => return Err(()),
+            },
+            r = cw.write(&out[written..]), if flushing => match r {
+                Ok(n) if n > 0 => written += n,
+                _ => return Err(()),
+            },
+            r = read_more(&mut ur, ubuf), if !flushing && !done => {
+                match r {
+                    Ok(0) if rechunk => {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                        done = true;
+                        continue;
+                    }
+                    Ok(n) if n > 0 => {}
+                    _ => return Err(()),
+                }
+                let n = framing.advance(ubuf).map_err(|_| ())?;
+                push_body(out, &ubuf[..n], rechunk);
+                ubuf.advance(n);
+                done = framing.is_done();
+                if !done {
+                    ubuf.clear();
+                }
+            }
         }
     }
 }
@@ -811,22 +970,6 @@ async fn read_response<R: AsyncRead + Unpin>(
 ) -> Result<ResponseHead, ReadError> {
     let mut got_any = false;
     loop {
-        if !ubuf.is_empty() {
-            match head::parse_response(ubuf, head_request, ufields) {
-                ParsedResponse::Complete(h) if h.status == 101 => {
-                    return Err(ReadError::Invalid("101 to a request that asked no upgrade"));
-                }
-                ParsedResponse::Complete(h) if h.status < 200 => {
-                    ubuf.advance(h.len);
-                    continue;
-                }
-                ParsedResponse::Complete(h) => return Ok(h),
-                ParsedResponse::Partial => {}
-                ParsedResponse::Invalid => {
-                    return Err(ReadError::Invalid("malformed response head"));
-                }
-            }
-        }
         match read_more(up, ubuf).await {
             Ok(0) if !got_any => return Err(ReadError::Closed),
             Ok(0) => return Err(ReadError::Invalid("response head cut short")),
@@ -835,6 +978,32 @@ async fn read_response<R: AsyncRead + Unpin>(
                 return Err(ReadError::Closed);
             }
             Err(e) => return Err(ReadError::Io(e)),
+        }
+        if let Some(h) = parse_final(ubuf, head_request, ufields)? {
+            return Ok(h);
+        }
+    }
+}
+
+/// The final response head at the start of `ubuf`, once complete; informational heads before
+/// it are dropped.
+fn parse_final(
+    ubuf: &mut BytesMut,
+    head_request: bool,
+    ufields: &mut Vec<Field>,
+) -> Result<Option<ResponseHead>, ReadError> {
+    loop {
+        if ubuf.is_empty() {
+            return Ok(None);
+        }
+        match head::parse_response(ubuf, head_request, ufields) {
+            ParsedResponse::Complete(h) if h.status == 101 => {
+                return Err(ReadError::Invalid("101 to a request that asked no upgrade"));
+            }
+            ParsedResponse::Complete(h) if h.status < 200 => ubuf.advance(h.len),
+            ParsedResponse::Complete(h) => return Ok(Some(h)),
+            ParsedResponse::Partial => return Ok(None),
+            ParsedResponse::Invalid => return Err(ReadError::Invalid("malformed response head")),
         }
     }
 }

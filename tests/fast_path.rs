@@ -1,0 +1,411 @@
+//! The fast HTTP/1.1 path, spoken to over raw sockets: pipelining, bodies passed through as
+//! their bytes, answers of tollgate's own that leave the connection usable (and never let a
+//! body be read as a request), upstream bodies that end at close, and requests it leaves to the
+//! general path on the same connection.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use support::upstream::Upstream;
+use support::{Gateway, client};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+fn yaml(upstream: &str, limits: &str) -> String {
+    format!(
+        "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n  - name: all\n    upstream: {upstream}\n{limits}"
+    )
+}
+
+/// One response read off a raw connection.
+#[derive(Debug)]
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+}
+
+/// Reads responses from a raw connection, keeping bytes past one response for the next.
+struct Reader {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Reader {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.unwrap();
+    }
+
+    async fn fill(&mut self) -> bool {
+        let mut chunk = [0u8; 8192];
+        let n = tokio::time::timeout(Duration::from_secs(5), self.stream.read(&mut chunk))
+            .await
+            .expect("no answer in 5 s")
+            .unwrap_or(0);
+        self.buf.extend_from_slice(&chunk[..n]);
+        n > 0
+    }
+
+    /// The next response; `head`: it answers a HEAD request (no body).
+    async fn next(&mut self, head: bool) -> Resp {
+        loop {
+            let mut fields = [httparse::EMPTY_HEADER; 64];
+            let mut r = httparse::Response::new(&mut fields);
+            if let httparse::Status::Complete(len) = r.parse(&self.buf).unwrap() {
+                let headers: Vec<(String, String)> = r
+                    .headers
+                    .iter()
+                    .map(|h| {
+                        (
+                            h.name.to_ascii_lowercase(),
+                            String::from_utf8_lossy(h.value).into_owned(),
+                        )
+                    })
+                    .collect();
+                let status = r.code.unwrap();
+                self.buf.drain(..len);
+                let get = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+                let body = if head || status == 204 || status == 304 {
+                    Vec::new()
+                } else if get("transfer-encoding").is_some() {
+                    self.dechunk().await
+                } else if let Some(cl) = get("content-length") {
+                    let cl: usize = cl.parse().unwrap();
+                    while self.buf.len() < cl {
+                        assert!(self.fill().await, "body cut short");
+                    }
+                    self.buf.drain(..cl).collect()
+                } else {
+                    while self.fill().await {}
+                    std::mem::take(&mut self.buf)
+                };
+                return Resp {
+                    status,
+                    headers,
+                    body,
+                };
+            }
+            assert!(self.fill().await, "connection closed before a response");
+        }
+    }
+
+    async fn dechunk(&mut self) -> Vec<u8> {
+        let mut body = Vec::new();
+        loop {
+            let line_end = loop {
+                if let Some(p) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                    break p;
+                }
+                assert!(self.fill().await);
+            };
+            let size_text = String::from_utf8_lossy(&self.buf[..line_end]).into_owned();
+            let size =
+                usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
+            self.buf.drain(..line_end + 2);
+            while self.buf.len() < size + 2 {
+                assert!(self.fill().await);
+            }
+            body.extend(self.buf.drain(..size));
+            self.buf.drain(..2);
+            if size == 0 {
+                return body;
+            }
+        }
+    }
+
+    /// True when the gateway closed the connection (and sent nothing more).
+    async fn closed(&mut self) -> bool {
+        !self.fill().await && self.buf.is_empty()
+    }
+}
+
+async fn connect(g: &Gateway) -> Reader {
+    Reader::new(TcpStream::connect(g.addr).await.unwrap())
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_order_on_one_connection() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "")).await;
+    let mut c = connect(&g).await;
+    c.send(
+        b"GET /a HTTP/1.1\r\nhost: t\r\n\r\nHEAD /b HTTP/1.1\r\nhost: t\r\n\r\nGET /c?x=1 HTTP/1.1\r\nhost: t\r\n\r\n",
+    )
+    .await;
+    let a = c.next(false).await;
+    assert_eq!(a.json()["path"], "/a");
+    let b = c.next(true).await;
+    assert_eq!(b.status, 200);
+    let cc = c.next(false).await;
+    assert_eq!(cc.json()["path"], "/c");
+    assert_eq!(cc.json()["query"], "x=1");
+    assert_eq!(up.hits(), 3);
+}
+
+#[tokio::test]
+async fn a_chunked_request_body_reaches_the_upstream_whole_and_the_next_request_follows() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "")).await;
+    let mut c = connect(&g).await;
+    // Sizes in both cases, an extension, a trailer; the next request right behind it.
+    c.send(
+        b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\nA\r\n0123456789\r\na\r\nabcdefghij\r\n0\r\nx-trailer: 1\r\n\r\nGET /next HTTP/1.1\r\nhost: t\r\n\r\n",
+    )
+    .await;
+    let first = c.next(false).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.json()["body_len"], 25);
+    assert_eq!(first.json()["headers"]["transfer-encoding"], "chunked");
+    let next = c.next(false).await;
+    assert_eq!(next.json()["path"], "/next");
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn a_body_tollgate_answers_itself_is_read_off_and_never_taken_for_a_request() {
+    let up = Upstream::start().await;
+    let limits = "    limits:\n      - name: one\n        algorithm: fixed_window\n        rate: 1/1m\n        key: [literal:all]\n";
+    let g = Gateway::start(&yaml(&up.url(), limits)).await;
+    let mut c = connect(&g).await;
+    // The body of a rejected request spells a request: it must be read off as body.
+    let smuggled = "GET /smuggled HTTP/1.1\r\nhost: t\r\n\r\n";
+    let post = format!(
+        "POST /p HTTP/1.1\r\nhost: t\r\ncontent-length: {}\r\n\r\n{smuggled}",
+        smuggled.len()
+    );
+    let chunked = format!(
+        "POST /p HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{smuggled}\r\n0\r\n\r\n",
+        smuggled.len()
+    );
+    for (i, req) in [post.clone(), post, chunked].iter().enumerate() {
+        c.send(req.as_bytes()).await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, if i == 0 { 200 } else { 429 }, "request {i}");
+    }
+    c.send(b"GET /last HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    assert_eq!(c.next(false).await.status, 429);
+    assert_eq!(up.hits(), 1, "only the first request was forwarded");
+}
+
+#[tokio::test]
+async fn a_malformed_chunked_body_is_refused_with_400_and_the_connection_closed() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "")).await;
+    let mut c = connect(&g).await;
+    c.send(b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n")
+        .await;
+    let r = c.next(false).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.header("connection"), Some("close"));
+    assert!(c.closed().await);
+}
+
+/// An upstream that answers every request with a body that ends when it closes.
+async fn close_delimited_upstream() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nhello ").await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let _ = s.write_all(b"world").await;
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn an_upstream_body_that_ends_at_close_is_sent_chunked_and_the_client_connection_stays_open()
+{
+    let url = close_delimited_upstream().await;
+    let g = Gateway::start(&yaml(&url, "")).await;
+    let mut c = connect(&g).await;
+    for _ in 0..2 {
+        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("transfer-encoding"), Some("chunked"));
+        assert_eq!(r.body, b"hello world");
+    }
+}
+
+#[tokio::test]
+async fn requests_the_fast_path_leaves_are_served_by_the_general_path_on_the_same_connection() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "")).await;
+    let mut c = connect(&g).await;
+    // Fast path first, then an absolute-form target (the general path's), then more requests,
+    // which the general path now serves on this connection.
+    c.send(b"GET /one HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    assert_eq!(c.next(false).await.json()["path"], "/one");
+    c.send(b"GET http://t/two HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await;
+    assert_eq!(c.next(false).await.json()["path"], "/two");
+    c.send(b"GET /three HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    assert_eq!(c.next(false).await.json()["path"], "/three");
+    // HTTP/1.0 on a connection of its own: answered, then closed.
+    let mut old = connect(&g).await;
+    old.send(b"GET /old HTTP/1.0\r\nhost: t\r\n\r\n").await;
+    let r = old.next(false).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["path"], "/old");
+    assert!(old.closed().await);
+    // A client that speaks first and then goes quiet past nothing: a partial head and close.
+    let mut partial = connect(&g).await;
+    partial.send(b"GET / HTT").await;
+    partial.stream.shutdown().await.unwrap();
+    assert!(partial.closed().await);
+    assert_eq!(up.hits(), 4);
+    // reqwest (keep-alive, HTTP/1.1) still works alongside.
+    let r = client().get(g.url("/after")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn an_upstream_that_answers_before_reading_the_body_gets_no_more_of_it_and_the_client_connection_closes()
+ {
+    // Answers 413 to any request head at once, without reading the body.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf).await;
+        let _ = s
+            .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\nconnection: close\r\n\r\nbig")
+            .await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let g = Gateway::start(&yaml(&url, "")).await;
+    let mut c = connect(&g).await;
+    c.send(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\nstart")
+        .await;
+    let r = c.next(false).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(r.body, b"big");
+    assert_eq!(r.header("connection"), Some("close"));
+}
+
+#[tokio::test]
+async fn a_framing_field_named_by_connection_still_frames_the_body() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "")).await;
+    let mut c = connect(&g).await;
+    // `Connection: content-length` must not strip the length upstream: the body would be
+    // read there as a request of its own, past every limit.
+    let inner = "GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
+    let req = format!(
+        "POST /echo HTTP/1.1\r\nhost: t\r\nconnection: content-length, x-secret\r\nx-secret: 1\r\ncontent-length: {}\r\n\r\n{inner}",
+        inner.len()
+    );
+    c.send(req.as_bytes()).await;
+    let r = c.next(false).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["body_len"], inner.len());
+    assert_eq!(
+        r.json()["headers"]["content-length"],
+        inner.len().to_string()
+    );
+    assert!(r.json()["headers"].get("x-secret").is_none());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(up.hits(), 1, "the body was not taken for a request");
+}
+
+#[tokio::test]
+async fn an_upstream_that_streams_its_answer_while_reading_the_body_gets_all_of_it() {
+    // Sends its head at once, then each piece of the request body back as a chunk as it reads
+    // it: more than the sockets buffer, so a proxy that stopped sending the body once the head
+    // came (or stopped reading the answer while sending) would wait forever.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = vec![0u8; 65536];
+        let head_end = loop {
+            let n = s.read(&mut chunk).await.unwrap();
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break p + 4;
+            }
+        };
+        let text = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+        let len: usize = text
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        s.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            .await
+            .unwrap();
+        let mut pending = buf[head_end..].to_vec();
+        let mut seen = 0;
+        loop {
+            if !pending.is_empty() {
+                seen += pending.len();
+                let mut out = format!("{:x}\r\n", pending.len()).into_bytes();
+                out.extend_from_slice(&pending);
+                out.extend_from_slice(b"\r\n");
+                s.write_all(&out).await.unwrap();
+                pending.clear();
+            }
+            if seen >= len {
+                break;
+            }
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0);
+            pending.extend_from_slice(&chunk[..n]);
+        }
+        s.write_all(b"0\r\n\r\n").await.unwrap();
+    });
+    let g = Gateway::start(&yaml(&url, "")).await;
+    let size = 16 << 20;
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        client().post(g.url("/dup")).body(vec![b'x'; size]).send(),
+    )
+    .await
+    .expect("no deadlock")
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(20), r.bytes())
+        .await
+        .expect("no deadlock")
+        .unwrap();
+    assert_eq!(body.len(), size);
+}
