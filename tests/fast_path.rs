@@ -409,3 +409,53 @@ async fn an_upstream_that_streams_its_answer_while_reading_the_body_gets_all_of_
         .unwrap();
     assert_eq!(body.len(), size);
 }
+
+/// The fields of a response that do not vary between two answers to the same request.
+fn stable(r: &Resp) -> Vec<(String, String)> {
+    let mut h: Vec<(String, String)> = r
+        .headers
+        .iter()
+        .filter(|(k, _)| k != "date" && k != "x-request-id")
+        .cloned()
+        .collect();
+    h.sort();
+    h
+}
+
+#[tokio::test]
+async fn answers_of_tollgate_s_own_are_the_same_on_both_paths() {
+    let up = Upstream::start().await;
+    let limits = "    limits:\n      - name: one\n        algorithm: fixed_window\n        rate: 1/1m\n        key: [literal:all]\n";
+    let (g, _clock) = Gateway::start_manual(&yaml(&up.url(), limits)).await;
+    let mut fast = connect(&g).await;
+    fast.send(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    assert_eq!(fast.next(false).await.status, 200);
+    // The clock stands still: both rejections have the same numbers.
+    fast.send(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    let a = fast.next(false).await;
+    // An absolute-form target is the general path's.
+    let mut general = connect(&g).await;
+    general
+        .send(b"GET http://t/x HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await;
+    let b = general.next(false).await;
+    assert_eq!(a.status, 429);
+    assert_eq!(b.status, 429);
+    assert_eq!(stable(&a), stable(&b));
+    assert_eq!(a.body, b.body);
+    assert_eq!(a.header("x-request-id").map(str::len), Some(32));
+    // And a 404.
+    let yaml404 = "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n  - name: api\n    match: { path_prefix: /api }\n    upstream: http://127.0.0.1:9\n";
+    let g2 = Gateway::start(yaml404).await;
+    let mut fast = connect(&g2).await;
+    fast.send(b"GET /nope HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    let a = fast.next(false).await;
+    let mut general = connect(&g2).await;
+    general
+        .send(b"GET http://t/nope HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await;
+    let b = general.next(false).await;
+    assert_eq!(a.status, 404);
+    assert_eq!(stable(&a), stable(&b));
+    assert_eq!(a.body, b.body);
+}

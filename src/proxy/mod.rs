@@ -115,6 +115,10 @@ impl Proxy {
             .await
         {
             Admission::Answer(resp) => return resp,
+            Admission::Reject { limit, rejection } => {
+                let l = &route.limits.limits[limit];
+                return response::too_many_requests(&route.name, l, &rejection);
+            }
             Admission::Forward(admitted) => {
                 let Admitted {
                     info,
@@ -192,7 +196,7 @@ impl Proxy {
                 } else {
                     tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
                 }
-                Admission::Answer(response::too_many_requests(&route.name, l, &rejection))
+                Admission::Reject { limit, rejection }
             }
             Verdict::Unavailable { limit } => Admission::Answer(response::unavailable(
                 &route.name,
@@ -218,6 +222,11 @@ impl Proxy {
 }
 
 pub(crate) enum Admission<'r> {
+    /// `429` from this limit (by index): each path writes it its own way.
+    Reject {
+        limit: usize,
+        rejection: crate::limit::algorithm::Rejection,
+    },
     Answer(Response<Body>),
     Forward(Admitted<'r>),
 }

@@ -142,29 +142,53 @@ pub fn set_ratelimit(h: &mut HeaderMap, limit: &Limit, info: &HeaderInfo) {
 
 /// The `RateLimit` field's value: `"name";r=R;t=T`.
 pub fn ratelimit_value(limit: &Limit, info: &HeaderInfo) -> Option<HeaderValue> {
-    // Written by hand into a stack buffer: this runs on every admitted response, and the
-    // formatter's machinery was a visible part of it.
-    let mut buf = [0u8; 160];
-    let name = limit.name.as_bytes();
-    if name.len() + 48 <= buf.len() {
-        let mut len = 0;
-        for part in [&b"\""[..], name, b"\";r="] {
-            buf[len..len + part.len()].copy_from_slice(part);
-            len += part.len();
-        }
-        len += push_u64(&mut buf[len..], info.remaining);
-        buf[len..len + 3].copy_from_slice(b";t=");
-        len += 3;
-        len += push_u64(&mut buf[len..], ceil_secs(info.reset_after));
-        HeaderValue::from_bytes(&buf[..len]).ok()
-    } else {
-        super::headers::value_of(format_args!(
-            "\"{}\";r={};t={}",
-            limit.name,
-            info.remaining,
-            ceil_secs(info.reset_after)
-        ))
-    }
+    let mut v = Vec::with_capacity(limit.name.len() + 48);
+    push_ratelimit(&mut v, limit, info.remaining, info.reset_after);
+    HeaderValue::from_maybe_shared(Bytes::from(v)).ok()
+}
+
+/// Appends the `RateLimit` value. Written by hand: this runs on every admitted response, and the
+/// formatter's machinery was a visible part of it. Limit names are letters, digits, `_`, `.`
+/// and `-` (config validation), so the value needs no escaping.
+pub fn push_ratelimit(out: &mut Vec<u8>, limit: &Limit, remaining: u64, reset_after: Micros) {
+    let mut digits = [0u8; 20];
+    out.push(b'"');
+    out.extend_from_slice(limit.name.as_bytes());
+    out.extend_from_slice(b"\";r=");
+    let n = push_u64(&mut digits, remaining);
+    out.extend_from_slice(&digits[..n]);
+    out.extend_from_slice(b";t=");
+    let n = push_u64(&mut digits, ceil_secs(reset_after));
+    out.extend_from_slice(&digits[..n]);
+}
+
+/// [`too_many_requests`] for the fast HTTP/1.1 path, without building a `Response`: appends its
+/// header fields (`name: value\r\n` each, in the same order) to `fields` and its JSON to
+/// `body`. Route and limit names need no JSON escaping (see [`push_ratelimit`]).
+pub fn write_too_many_requests(
+    fields: &mut Vec<u8>,
+    body: &mut Vec<u8>,
+    route: &str,
+    limit: &Limit,
+    r: &Rejection,
+) {
+    let mut digits = [0u8; 20];
+    fields.extend_from_slice(b"content-type: application/json\r\nretry-after: ");
+    let n = push_u64(&mut digits, ceil_secs(r.retry_after).max(1));
+    fields.extend_from_slice(&digits[..n]);
+    fields.extend_from_slice(b"\r\nratelimit-policy: ");
+    fields.extend_from_slice(limit.policy.as_bytes());
+    fields.extend_from_slice(b"\r\nratelimit: ");
+    push_ratelimit(fields, limit, r.remaining, r.retry_after);
+    fields.extend_from_slice(b"\r\n");
+    body.extend_from_slice(b"{\"error\":\"rate_limited\",\"route\":\"");
+    body.extend_from_slice(route.as_bytes());
+    body.extend_from_slice(b"\",\"limit\":\"");
+    body.extend_from_slice(limit.name.as_bytes());
+    body.extend_from_slice(b"\",\"retry_after_ms\":");
+    let n = push_u64(&mut digits, r.retry_after.div_ceil(1000));
+    body.extend_from_slice(&digits[..n]);
+    body.push(b'}');
 }
 
 /// `n` in decimal at the start of `out` (which has room for 20 digits); returns the length.

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::uri::Scheme;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, Uri};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -89,6 +89,7 @@ pub async fn serve(
         out: Vec::with_capacity(1024),
         fields: Vec::with_capacity(16),
         ufields: Vec::with_capacity(16),
+        scratch: Vec::new(),
         stop: ctl.stop,
         idle: Box::pin(tokio::time::sleep(HEAD_TIMEOUT)),
     };
@@ -117,6 +118,8 @@ struct Conn {
     out: Vec<u8>,
     fields: Vec<Field>,
     ufields: Vec<Field>,
+    /// Header fields of tollgate's own answers, being written.
+    scratch: Vec<u8>,
     stop: watch::Receiver<bool>,
     idle: Pin<Box<Sleep>>,
 }
@@ -303,6 +306,32 @@ impl Conn {
         let admitted = match self.proxy.admit(rt, route, &parts, request_id).await {
             Admission::Answer(resp) => {
                 return self.answer(resp, head, bytes, rid, &route.metrics).await;
+            }
+            Admission::Reject { limit, rejection } => {
+                let mut fields = std::mem::take(&mut self.scratch);
+                fields.clear();
+                let mut body = Vec::with_capacity(128);
+                let l = &route.limits.limits[limit];
+                response::write_too_many_requests(
+                    &mut fields,
+                    &mut body,
+                    &route.name,
+                    l,
+                    &rejection,
+                );
+                let step = self
+                    .answer_raw(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        &fields,
+                        &body,
+                        head,
+                        bytes,
+                        rid,
+                        &route.metrics,
+                    )
+                    .await;
+                self.scratch = fields;
+                return step;
             }
             Admission::Forward(a) => a,
         };
@@ -591,9 +620,9 @@ impl Conn {
         if let Some(info) = info {
             let limit = &route.limits.limits[info.limit];
             head::push_field(out, b"ratelimit-policy", limit.policy.as_bytes());
-            if let Some(v) = response::ratelimit_value(limit, info) {
-                head::push_field(out, b"ratelimit", v.as_bytes());
-            }
+            out.extend_from_slice(b"ratelimit: ");
+            response::push_ratelimit(out, limit, info.remaining, info.reset_after);
+            out.extend_from_slice(b"\r\n");
         }
         if !length_framed {
             head::push_field(out, b"transfer-encoding", b"chunked");
@@ -619,7 +648,36 @@ impl Conn {
         rid: &RequestId,
         metrics: &RouteMetrics,
     ) -> Step {
-        let status = resp.status();
+        let (parts, body) = resp.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        let mut fields = std::mem::take(&mut self.scratch);
+        fields.clear();
+        for (name, value) in &parts.headers {
+            head::push_field(&mut fields, name.as_str().as_bytes(), value.as_bytes());
+        }
+        let step = self
+            .answer_raw(parts.status, &fields, &body, head, bytes, rid, metrics)
+            .await;
+        self.scratch = fields;
+        step
+    }
+
+    /// [`Conn::answer`] with the header fields (`name: value\r\n` each) and body as bytes.
+    #[allow(clippy::too_many_arguments)]
+    async fn answer_raw(
+        &mut self,
+        status: StatusCode,
+        fields: &[u8],
+        body: &[u8],
+        head: &mut RequestHead,
+        bytes: &Bytes,
+        rid: &RequestId,
+        metrics: &RouteMetrics,
+    ) -> Step {
         metrics.request(status.as_u16());
         let body_read = match head.framing.advance(&self.rbuf) {
             Ok(n) => {
@@ -629,12 +687,6 @@ impl Conn {
             Err(_) => false,
         };
         let close = head.connection.close || !body_read || *self.stop.borrow();
-        let (parts, body) = resp.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
         let out = &mut self.out;
         out.clear();
         out.extend_from_slice(b"HTTP/1.1 ");
@@ -642,9 +694,7 @@ impl Conn {
         out.push(b' ');
         out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
         out.extend_from_slice(b"\r\n");
-        for (name, value) in &parts.headers {
-            head::push_field(out, name.as_str().as_bytes(), value.as_bytes());
-        }
+        out.extend_from_slice(fields);
         head::push_field(out, b"x-request-id", rid.bytes(bytes));
         out.extend_from_slice(b"content-length: ");
         head::push_u64(out, body.len() as u64);
@@ -655,7 +705,7 @@ impl Conn {
         }
         out.extend_from_slice(b"\r\n");
         if head.method != Method::HEAD {
-            out.extend_from_slice(&body);
+            out.extend_from_slice(body);
         }
         if self.client.write_all(&self.out).await.is_err() {
             return Step::Close { linger: false };
@@ -1033,16 +1083,15 @@ fn push_body(out: &mut Vec<u8>, data: &[u8], chunk: bool) {
 /// `date: ...`, formatted once a second.
 fn push_date(out: &mut Vec<u8>) {
     use std::cell::RefCell;
-    use std::time::{SystemTime, UNIX_EPOCH};
+    use std::time::SystemTime;
     thread_local! {
         static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((u64::MAX, [0; 29])) };
     }
-    let now = SystemTime::now();
-    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = coarse_unix_secs();
     DATE.with(|d| {
         let mut d = d.borrow_mut();
         if d.0 != secs {
-            let text = httpdate::fmt_http_date(now);
+            let text = httpdate::fmt_http_date(SystemTime::now());
             if text.len() == 29 {
                 d.1.copy_from_slice(text.as_bytes());
                 d.0 = secs;
@@ -1050,6 +1099,26 @@ fn push_date(out: &mut Vec<u8>) {
         }
         head::push_field(out, b"date", &d.1);
     });
+}
+
+/// Seconds since the epoch from the kernel's coarse clock (updated each tick, read without a
+/// timer read): plenty for a `Date` that changes once a second, and cheaper than
+/// `SystemTime::now` on every response.
+fn coarse_unix_secs() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+        if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) } == 0 {
+            return ts.tv_sec as u64;
+        }
+    }
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// The field's text when it is visible ASCII (what `HeaderValue::to_str` accepts).
