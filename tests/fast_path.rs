@@ -459,3 +459,24 @@ async fn answers_of_tollgate_s_own_are_the_same_on_both_paths() {
     assert_eq!(stable(&a), stable(&b));
     assert_eq!(a.body, b.body);
 }
+
+#[tokio::test]
+async fn an_upstream_body_that_is_malformed_from_its_first_byte_is_a_502() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf).await;
+        let _ = s
+            .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n")
+            .await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let g = Gateway::start(&yaml(&url, "")).await;
+    let mut c = connect(&g).await;
+    c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+    let r = c.next(false).await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"], "bad_gateway");
+}

@@ -245,7 +245,6 @@ pub struct ResponseHead {
     pub connection: ConnectionTokens,
     /// HTTP/1.0 without `keep-alive`, or `Connection: close`: the upstream closes after it.
     pub closes: bool,
-    pub has_date: bool,
 }
 
 pub enum ParsedResponse {
@@ -279,7 +278,6 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
     let mut length: Option<u64> = None;
     let mut te: Option<Range<usize>> = None;
     let mut connection = ConnectionTokens::default();
-    let mut has_date = false;
     for h in resp.headers.iter() {
         let kind = classify(h.name.as_bytes());
         let field = Field {
@@ -295,7 +293,6 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
             },
             Name::TransferEncoding => te = Some(field.value.clone()),
             Name::Connection => connection.read(buf, field.value.clone()),
-            Name::Date => has_date = true,
             _ => {}
         }
         fields.push(field);
@@ -324,7 +321,6 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
         framing,
         connection,
         closes,
-        has_date,
     })
 }
 

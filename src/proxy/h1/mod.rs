@@ -430,19 +430,24 @@ impl Conn {
                 );
             }
         };
-        route.metrics.request(resp.status);
         // The request body still coming when the response starts: the client connection closes
         // after this exchange (whatever of the body the upstream does not take is read off).
         let body_sent = head.framing.is_done() && pump.pending.is_empty();
         let close = head.connection.close || !body_sent || *self.stop.borrow();
         let mut framing = resp.framing.clone();
         let rechunk = framing == Framing::UntilClose;
-        self.write_client_head(route, &resp, bytes, rid, info.as_ref(), close);
         // The body bytes that came with the head go out with it, in one write.
-        self.ubuf.advance(resp.len);
-        let Ok(n) = framing.advance(&self.ubuf) else {
-            return (resp.status, Step::Close { linger: !body_sent });
+        let Ok(n) = framing.advance(&self.ubuf[resp.len..]) else {
+            tracing::warn!(route = %route.name, "upstream sent a malformed body");
+            let resp = response::bad_gateway(&route.name);
+            return (
+                502,
+                self.answer(resp, head, bytes, rid, &route.metrics).await,
+            );
         };
+        route.metrics.request(resp.status);
+        self.write_client_head(route, &resp, bytes, rid, info.as_ref(), close);
+        self.ubuf.advance(resp.len);
         push_body(&mut self.out, &self.ubuf[..n], rechunk);
         self.ubuf.advance(n);
         let relayed = if body_sent {
@@ -479,8 +484,9 @@ impl Conn {
         }
         self.ubuf.clear();
         let step = if close {
+            // A body that was still coming at the head may have been followed by more bytes.
             Step::Close {
-                linger: !head.framing.is_done(),
+                linger: !body_sent || !head.framing.is_done(),
             }
         } else {
             Step::Keep
@@ -602,6 +608,7 @@ impl Conn {
         out.extend_from_slice(b"\r\n");
         let named = !resp.connection.named.is_empty();
         let length_framed = matches!(resp.framing, Framing::Length(_));
+        let mut dated = false;
         for f in &self.ufields {
             let dropped = named && resp.connection.names(up, &up[f.name.clone()]);
             let keep = match f.kind {
@@ -610,6 +617,10 @@ impl Conn {
                 // The framing field is never taken as hop-by-hop (see the request side).
                 Name::ContentLength => length_framed,
                 Name::RateLimit | Name::RateLimitPolicy => info.is_none() && !dropped,
+                Name::Date => {
+                    dated |= !dropped;
+                    !dropped
+                }
                 _ => !dropped,
             };
             if keep {
@@ -627,7 +638,7 @@ impl Conn {
         if !length_framed {
             head::push_field(out, b"transfer-encoding", b"chunked");
         }
-        if !resp.has_date {
+        if !dated {
             push_date(out);
         }
         if close {
@@ -747,19 +758,26 @@ struct Pump {
 }
 
 impl Pump {
-    /// Takes the next body bytes from `rbuf` when the last ones are sent; false once the body
-    /// is malformed.
+    /// Takes the next body bytes from `rbuf` when the last ones are sent; an error once the
+    /// body is malformed. Once the upstream stopped taking the body, what comes is dropped (the
+    /// client is still read, so it can finish sending and read its answer).
     fn feed(&mut self, rbuf: &mut BytesMut, body: &mut Framing) -> Result<(), Failure> {
+        if self.broken {
+            self.pending.clear();
+        }
         if self.pending.is_empty() && !body.is_done() && !rbuf.is_empty() {
             let n = body.advance(rbuf).map_err(|_| Failure::BadBody)?;
-            self.pending = rbuf.split_to(n).freeze();
+            let taken = rbuf.split_to(n);
+            if !self.broken {
+                self.pending = taken.freeze();
+            }
         }
         Ok(())
     }
 
     /// Wants more of the body from the client.
     fn wants(&self, body: &Framing) -> bool {
-        !self.broken && self.pending.is_empty() && !body.is_done()
+        self.pending.is_empty() && !body.is_done()
     }
 }
 
@@ -925,7 +943,8 @@ async fn relay(
 
 /// [`relay`] while the request body is still being sent: both directions at once, as an
 /// upstream that streams its answer while reading the body needs. Each step is one read or one
-/// write; a request body the upstream no longer takes is dropped (the connection closes after).
+/// write; a request body the upstream no longer takes is read and dropped (the connection
+/// closes after).
 #[allow(clippy::too_many_arguments)]
 async fn relay_duplex(
     client: &mut TcpStream,
