@@ -480,3 +480,55 @@ async fn an_upstream_body_that_is_malformed_from_its_first_byte_is_a_502() {
     assert_eq!(r.status, 502);
     assert_eq!(r.json()["error"], "bad_gateway");
 }
+
+#[tokio::test]
+async fn server_fast_path_false_serves_plain_connections_with_the_general_path() {
+    // An upstream whose field names are mixed case: the fast path passes names through as
+    // they are; hyper writes them lower-case. That tells the two paths apart from outside.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let resp =
+                            b"HTTP/1.1 200 OK\r\nX-Mixed-Case: 1\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(resp).await.is_err() {
+                            return;
+                        }
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+            });
+        }
+    });
+    for (fast, name) in [(true, "X-Mixed-Case"), (false, "x-mixed-case")] {
+        let yaml = format!(
+            "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\n  fast_path: {fast}\nroutes:\n  - name: all\n    upstream: {url}\n"
+        );
+        let g = Gateway::start(&yaml).await;
+        let mut c = connect(&g).await;
+        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+        let _ = c.next(false).await;
+        // The raw field name as it came over the wire.
+        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+        let mut raw = Vec::new();
+        while !raw.windows(4).any(|w| w == b"\r\n\r\n") {
+            assert!(c.fill().await);
+            raw = c.buf.clone();
+        }
+        let text = String::from_utf8_lossy(&raw);
+        assert!(
+            text.contains(&format!("{name}: 1")),
+            "fast_path {fast}: {text}"
+        );
+    }
+}

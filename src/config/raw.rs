@@ -38,6 +38,7 @@ pub(super) struct RawServer {
     pub tls: Option<Spanned<RawTls>>,
     pub upstream_ca: Option<Text>,
     pub log_keys: Option<bool>,
+    pub fast_path: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -51,6 +51,9 @@ pub struct ServerConfig {
     /// Put the limit key (client IP, user id...) in rejection log lines. Off by default:
     /// keys are personal data and logs travel far.
     pub log_keys: bool,
+    /// Plain HTTP/1.1 connections take the fast path (`proxy::h1`); off: everything is served
+    /// by hyper (the general path). An escape hatch, and the other side of an A/B comparison.
+    pub fast_path: bool,
 }
 
 /// `server.tls`: the proxy listener's certificate chain and key (PEM files; relative paths are
@@ -99,6 +102,7 @@ impl Default for ServerConfig {
             tls: None,
             upstream_ca: None,
             log_keys: false,
+            fast_path: true,
         }
     }
 }

@@ -95,6 +95,7 @@ fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
         tls,
         upstream_ca,
         log_keys: raw.log_keys.unwrap_or(defaults.log_keys),
+        fast_path: raw.fast_path.unwrap_or(defaults.fast_path),
     })
 }
 

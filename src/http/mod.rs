@@ -77,6 +77,16 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Some(current) = &mut tls else {
+            if !proxy.runtime.load().config.server.fast_path {
+                let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, %peer, "connection ended with an error");
+                    }
+                });
+                continue;
+            }
             tokio::spawn(crate::proxy::h1::serve(
                 proxy.clone(),
                 stream,

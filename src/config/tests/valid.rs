@@ -163,6 +163,7 @@ fn defaults_are_applied() {
             tls: None,
             upstream_ca: None,
             log_keys: false,
+            fast_path: true,
         }
     );
     assert_eq!(
