@@ -192,7 +192,7 @@ pub fn write_too_many_requests(
 }
 
 /// `n` in decimal at the start of `out` (which has room for 20 digits); returns the length.
-fn push_u64(out: &mut [u8], mut n: u64) -> usize {
+pub(crate) fn push_u64(out: &mut [u8], mut n: u64) -> usize {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     loop {

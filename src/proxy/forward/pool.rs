@@ -43,6 +43,22 @@ const STALE_RETRIES: usize = 4;
 /// How often idle connections are checked while they sit unused.
 const REAP_EVERY: Duration = Duration::from_secs(15);
 
+/// Calls `reap` on `owner` every [`REAP_EVERY`] until the owner is dropped: the idle-connection
+/// reaper of both pools (this one and the fast path's).
+pub(crate) fn spawn_reaper<T: Send + Sync + 'static>(owner: &Arc<T>, reap: fn(&T, Instant)) {
+    let owner = Arc::downgrade(owner);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(REAP_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let Some(owner) = owner.upgrade() else { return };
+            reap(&owner, Instant::now());
+        }
+    });
+}
+
 /// One upstream's idle connections.
 #[derive(Debug)]
 pub struct Host {
@@ -98,19 +114,7 @@ impl Host {
     /// dropped, so their sockets do not stay open while no request comes (an upstream that never
     /// closes idle connections, one removed from the config by a reload). Ends with the host.
     fn start_reaper(self: &Arc<Self>) {
-        self.reaper.call_once(|| {
-            let host = Arc::downgrade(self);
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(REAP_EVERY);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    let Some(host) = host.upgrade() else { return };
-                    host.reap(Instant::now());
-                }
-            });
-        });
+        self.reaper.call_once(|| spawn_reaper(self, Self::reap));
     }
 
     /// Drops the idle connections that aged out by `now` or that the upstream closed.

@@ -165,11 +165,7 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
         return ParsedRequest::General;
     };
-    let base = buf.as_ptr() as usize;
-    let at = |s: &[u8]| {
-        let start = s.as_ptr() as usize - base;
-        start..start + s.len()
-    };
+    let at = offsets(buf);
     let mut head = RequestHead {
         method,
         target: at(path.as_bytes()),
@@ -268,11 +264,7 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
     let (Some(status), Some(version)) = (resp.code, resp.version) else {
         return ParsedResponse::Invalid;
     };
-    let base = buf.as_ptr() as usize;
-    let at = |s: &[u8]| {
-        let start = s.as_ptr() as usize - base;
-        start..start + s.len()
-    };
+    let at = offsets(buf);
     let reason = resp.reason.map_or(0..0, |r| at(r.as_bytes()));
     fields.clear();
     let mut length: Option<u64> = None;
@@ -324,6 +316,15 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
     })
 }
 
+/// Where a slice `httparse` returned lies in `buf`, as offsets.
+fn offsets(buf: &[u8]) -> impl Fn(&[u8]) -> Range<usize> {
+    let base = buf.as_ptr() as usize;
+    move |s: &[u8]| {
+        let start = s.as_ptr() as usize - base;
+        start..start + s.len()
+    }
+}
+
 fn trimmed(v: &[u8]) -> &[u8] {
     let start = v
         .iter()
@@ -347,17 +348,8 @@ fn parse_length(v: &[u8]) -> Option<u64> {
 /// `n` in decimal.
 pub fn push_u64(out: &mut Vec<u8>, n: u64) {
     let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    let mut n = n;
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[i..]);
+    let len = crate::proxy::response::push_u64(&mut digits, n);
+    out.extend_from_slice(&digits[..len]);
 }
 
 /// Appends `name: value\r\n`.

@@ -14,11 +14,10 @@ use http::uri::Authority;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
-use crate::proxy::forward::pool::{IDLE_TIMEOUT, MAX_IDLE};
+use crate::proxy::forward::pool::{IDLE_TIMEOUT, MAX_IDLE, spawn_reaper};
 
 /// As the general path's connector.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-const REAP_EVERY: Duration = Duration::from_secs(15);
 
 #[derive(Debug)]
 pub struct Pool {
@@ -81,32 +80,23 @@ impl Pool {
     }
 
     fn start_reaper(self: &Arc<Self>) {
-        self.reaper.call_once(|| {
-            let pool = Arc::downgrade(self);
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(REAP_EVERY);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    let Some(pool) = pool.upgrade() else { return };
-                    let now = Instant::now();
-                    let stale: Vec<_> = {
-                        let mut idle = pool.idle.lock();
-                        let (keep, stale) =
-                            std::mem::take(&mut *idle)
-                                .into_iter()
-                                .partition(|(s, since)| {
-                                    now.saturating_duration_since(*since) < IDLE_TIMEOUT
-                                        && usable(s)
-                                });
-                        *idle = keep;
-                        stale
-                    };
-                    drop(stale);
-                }
-            });
-        });
+        self.reaper.call_once(|| spawn_reaper(self, Self::reap));
+    }
+
+    /// Drops the idle connections that aged out by `now` or that the upstream closed (closed
+    /// outside the lock).
+    fn reap(&self, now: Instant) {
+        let stale: Vec<_> = {
+            let mut idle = self.idle.lock();
+            let (keep, stale) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|(s, since)| {
+                    now.saturating_duration_since(*since) < IDLE_TIMEOUT && usable(s)
+                });
+            *idle = keep;
+            stale
+        };
+        drop(stale);
     }
 }
 
