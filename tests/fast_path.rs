@@ -141,6 +141,21 @@ impl Reader {
     }
 }
 
+/// An upstream that answers its first request with `answer` as soon as the request's first
+/// bytes arrive (without reading a body), then holds the connection open.
+async fn one_shot_upstream(answer: &'static [u8]) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf).await;
+        let _ = s.write_all(answer).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    url
+}
+
 async fn connect(g: &Gateway) -> Reader {
     Reader::new(TcpStream::connect(g.addr).await.unwrap())
 }
@@ -298,17 +313,10 @@ async fn requests_the_fast_path_leaves_are_served_by_the_general_path_on_the_sam
 async fn an_upstream_that_answers_before_reading_the_body_gets_no_more_of_it_and_the_client_connection_closes()
  {
     // Answers 413 to any request head at once, without reading the body.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut buf = [0u8; 1024];
-        let _ = s.read(&mut buf).await;
-        let _ = s
-            .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\nconnection: close\r\n\r\nbig")
-            .await;
-        tokio::time::sleep(Duration::from_secs(5)).await;
-    });
+    let url = one_shot_upstream(
+        b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\nconnection: close\r\n\r\nbig",
+    )
+    .await;
     let g = Gateway::start(&yaml(&url, "")).await;
     let mut c = connect(&g).await;
     c.send(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\nstart")
@@ -462,17 +470,9 @@ async fn answers_of_tollgate_s_own_are_the_same_on_both_paths() {
 
 #[tokio::test]
 async fn an_upstream_body_that_is_malformed_from_its_first_byte_is_a_502() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut buf = [0u8; 1024];
-        let _ = s.read(&mut buf).await;
-        let _ = s
-            .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n")
+    let url =
+        one_shot_upstream(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n")
             .await;
-        tokio::time::sleep(Duration::from_secs(5)).await;
-    });
     let g = Gateway::start(&yaml(&url, "")).await;
     let mut c = connect(&g).await;
     c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;

@@ -74,6 +74,17 @@ pub struct Field {
     pub kind: Name,
 }
 
+impl Field {
+    /// `h` as offsets (`at` maps a slice of the parsed buffer to its range), classified.
+    fn of(h: &httparse::Header<'_>, at: &impl Fn(&[u8]) -> Range<usize>) -> Self {
+        Self {
+            name: at(h.name.as_bytes()),
+            value: at(h.value),
+            kind: classify(h.name.as_bytes()),
+        }
+    }
+}
+
 /// What the `Connection` fields said.
 #[derive(Debug, Default, Clone)]
 pub struct ConnectionTokens {
@@ -182,12 +193,8 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
     let mut length: Option<u64> = None;
     let mut chunked = false;
     for h in req.headers.iter() {
-        let kind = classify(h.name.as_bytes());
-        let field = Field {
-            name: at(h.name.as_bytes()),
-            value: at(h.value),
-            kind,
-        };
+        let field = Field::of(h, &at);
+        let kind = field.kind;
         match kind {
             Name::Host if head.host.is_none() => head.host = Some(field.value.clone()),
             // Two Host fields: the general path refuses the request.
@@ -271,12 +278,8 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
     let mut te: Option<Range<usize>> = None;
     let mut connection = ConnectionTokens::default();
     for h in resp.headers.iter() {
-        let kind = classify(h.name.as_bytes());
-        let field = Field {
-            name: at(h.name.as_bytes()),
-            value: at(h.value),
-            kind,
-        };
+        let field = Field::of(h, &at);
+        let kind = field.kind;
         match kind {
             Name::ContentLength => match (length, parse_length(h.value)) {
                 (None, Some(n)) => length = Some(n),

@@ -37,11 +37,6 @@ impl Pool {
         })
     }
 
-    /// Idle connections held now (for tests).
-    pub fn idle(&self) -> usize {
-        self.idle.lock().len()
-    }
-
     /// The warmest idle connection that is still open. A connection the upstream closed shows
     /// as readable (its end of stream): that is checked without a system call while the event
     /// loop has not reported anything, which is the common case.
