@@ -17,8 +17,6 @@
 -- Keys per limit: sliding_log 2 (zset of entries, hash {sum, seq}); the others 1
 -- (gcra: string = tat; fixed_window: hash {s, c}; sliding_window: hash {s, c, p}).
 
-local EXACT = 9007199254740992 -- 2^53
-
 -- floor(a / b) for integers, corrected for the rounding of the double quotient.
 local function fdiv(a, b)
   local q = math.floor(a / b)
@@ -28,46 +26,6 @@ local function fdiv(a, b)
     q = q + 1
   end
   return q
-end
-
--- floor(a * b / c) and the remainder, exact whenever the quotient is below 2^53 even if
--- a * b is not. Beyond 2^53 it splits a and b by c and multiplies the remainders by
--- doubling, keeping every intermediate value below c.
-local function muldiv(a, b, c)
-  local p = a * b
-  if p < EXACT then
-    local q = fdiv(p, c)
-    return q, p - q * c
-  end
-  local qa = fdiv(a, c)
-  local ra = a - qa * c
-  local qb = fdiv(b, c)
-  local rb = b - qb * c
-  local bits = {}
-  while rb > 0 do
-    local h = fdiv(rb, 2)
-    bits[#bits + 1] = rb - 2 * h
-    rb = h
-  end
-  local q, r = 0, 0
-  for i = #bits, 1, -1 do
-    q = 2 * q
-    if r >= c - r then
-      r = r - (c - r)
-      q = q + 1
-    else
-      r = r + r
-    end
-    if bits[i] == 1 then
-      if r >= c - ra then
-        r = r - (c - ra)
-        q = q + 1
-      else
-        r = r + ra
-      end
-    end
-  end
-  return qa * b + ra * qb + q, r
 end
 
 -- Integers as Redis arguments: tostring(1.7e15) would print "1.7e+15".
@@ -138,249 +96,314 @@ local function read_limits(n, at)
   return limits
 end
 
+-- The start of the fixed window holding `now`, and the time left until it ends.
+local function window(period, now)
+  local into = now - fdiv(now, period) * period
+  return now - into, period - into
+end
+
 -- Each algorithm: load(l) -> state; check(l, s, now) -> admitted, remaining, reset_after,
 -- retry_after_or_delay; commit(l, s, now, floor_ms) writes what check decided;
 -- peek(l, s, now) -> remaining, reset_after; refund(l, at, now, floor_ms) undoes one commit
 -- made at `at`.
 local ALG = {}
 
+-- A script's body runs on every call, so the algorithms are built on first use: defining
+-- all four algorithms' closures on every decision cost Redis more CPU than the decision
+-- itself (see script.rs). BUILD[code]() defines ALG[code].
+local BUILD = {}
+setmetatable(ALG, {
+  __index = function(t, code)
+    local build = BUILD[code]
+    if build then
+      build()
+    end
+    return rawget(t, code)
+  end,
+})
+
 -- gcra -------------------------------------------------------------------------------------
 
-local function gcra_consts(l)
-  local t = math.max(1, fdiv(l.period + math.max(1, l.count) - 1, math.max(1, l.count)))
-  return t, t * l.burst
-end
+BUILD[1] = function()
+  local function gcra_consts(l)
+    local t = math.max(1, fdiv(l.period + math.max(1, l.count) - 1, math.max(1, l.count)))
+    return t, t * l.burst
+  end
 
-ALG[1] = {
-  load = function(l)
-    local t, tau = gcra_consts(l)
-    return { tat = num(redis.call('GET', l.keys[1])), t = t, tau = tau }
-  end,
-  check = function(l, s, now)
-    local function takeable(ahead)
-      return fdiv(s.tau - math.min(ahead, s.tau), s.t)
-    end
-    local base = math.max(s.tat, now)
-    local new_tat = base + s.t * l.cost
-    local allow_at = math.max(0, new_tat - s.tau)
-    s.new_tat = new_tat
-    if allow_at > now then
-      local wait = allow_at - now
-      if wait <= l.max_delay and l.cost <= l.burst then
-        return 1, 0, new_tat - now, wait
+  -- Units a full bucket could take with the TAT `ahead` of now.
+  local function takeable(s, ahead)
+    return fdiv(s.tau - math.min(ahead, s.tau), s.t)
+  end
+
+  ALG[1] = {
+    load = function(l)
+      local t, tau = gcra_consts(l)
+      return { tat = num(redis.call('GET', l.keys[1])), t = t, tau = tau }
+    end,
+    check = function(l, s, now)
+      local base = math.max(s.tat, now)
+      local new_tat = base + s.t * l.cost
+      local allow_at = math.max(0, new_tat - s.tau)
+      s.new_tat = new_tat
+      if allow_at > now then
+        local wait = allow_at - now
+        if wait <= l.max_delay and l.cost <= l.burst then
+          return 1, 0, new_tat - now, wait
+        end
+        return 0, takeable(s, base - now), base - now, wait
       end
-      return 0, takeable(base - now), base - now, wait
-    end
-    return 1, takeable(new_tat - now), new_tat - now, 0
-  end,
-  commit = function(l, s, now, floor_ms)
-    local tat = s.new_tat
-    if tat <= now then
-      redis.call('DEL', l.keys[1])
-    else
-      local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
-      redis.call('SET', l.keys[1], fmt(tat), 'PX', ms)
-    end
-  end,
-  peek = function(l, s, now)
-    local ahead = math.max(s.tat, now) - now
-    return fdiv(s.tau - math.min(ahead, s.tau), s.t), ahead
-  end,
-  -- Without this request, a commit made between `at` and now would have started from its own
-  -- instant rather than from this request's TAT: up to `now - at` of the emission is
-  -- therefore not given back, so a refund never leaves the bucket laxer than if the request
-  -- had not come (exact when refunded at `at`; nothing once the request has drained).
-  refund = function(l, at, now, floor_ms)
-    local s = ALG[1].load(l)
-    local back = s.t * l.cost - math.max(0, now - at)
-    if s.tat == 0 or back <= 0 then
-      return 0
-    end
-    s.new_tat = s.tat - back
-    ALG[1].commit(l, s, now, floor_ms)
-    return 1
-  end,
-}
+      return 1, takeable(s, new_tat - now), new_tat - now, 0
+    end,
+    commit = function(l, s, now, floor_ms)
+      local tat = s.new_tat
+      if tat <= now then
+        redis.call('DEL', l.keys[1])
+      else
+        local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
+        redis.call('SET', l.keys[1], fmt(tat), 'PX', ms)
+      end
+    end,
+    peek = function(l, s, now)
+      local ahead = math.max(s.tat, now) - now
+      return fdiv(s.tau - math.min(ahead, s.tau), s.t), ahead
+    end,
+    -- Without this request, a commit made between `at` and now would have started from its own
+    -- instant rather than from this request's TAT: up to `now - at` of the emission is
+    -- therefore not given back, so a refund never leaves the bucket laxer than if the request
+    -- had not come (exact when refunded at `at`; nothing once the request has drained).
+    refund = function(l, at, now, floor_ms)
+      local s = ALG[1].load(l)
+      local back = s.t * l.cost - math.max(0, now - at)
+      if s.tat == 0 or back <= 0 then
+        return 0
+      end
+      s.new_tat = s.tat - back
+      ALG[1].commit(l, s, now, floor_ms)
+      return 1
+    end,
+  }
+end
 
 -- fixed_window -----------------------------------------------------------------------------
 
-local function window(period, now)
-  local into = now - fdiv(now, period) * period
-  return now - into, period - into
+BUILD[2] = function()
+  ALG[2] = {
+    load = function(l)
+      local v = redis.call('HMGET', l.keys[1], 's', 'c')
+      return { start = num(v[1]), count = num(v[2]), period = math.max(1, l.period) }
+    end,
+    check = function(l, s, now)
+      local ws, to_end = window(s.period, now)
+      local c = (s.start == ws) and s.count or 0
+      if c + l.cost > l.count then
+        return 0, math.max(0, l.count - c), to_end, to_end
+      end
+      local reset = 0
+      if c + l.cost > 0 then
+        reset = to_end
+      end
+      return 1, l.count - c - l.cost, reset, 0
+    end,
+    commit = function(l, s, now, floor_ms)
+      local ws = window(s.period, now)
+      if s.start ~= ws then
+        s.start, s.count = ws, 0
+      end
+      s.count = s.count + l.cost
+      if s.count == 0 then
+        redis.call('DEL', l.keys[1])
+        return
+      end
+      redis.call('HSET', l.keys[1], 's', fmt(s.start), 'c', fmt(s.count))
+      expire(l.keys, s.start + s.period, now, floor_ms)
+    end,
+    peek = function(l, s, now)
+      local ws, to_end = window(s.period, now)
+      local c = (s.start == ws) and s.count or 0
+      if c > 0 then
+        return math.max(0, l.count - c), to_end
+      end
+      return math.max(0, l.count - c), 0
+    end,
+    -- Only the window the units were taken in holds them; once it has passed there is
+    -- nothing left to give back.
+    refund = function(l, at, _, _)
+      local s = ALG[2].load(l)
+      if s.count == 0 or s.start ~= window(s.period, at) then
+        return 0
+      end
+      local c = math.max(0, s.count - l.cost)
+      if c == 0 then
+        redis.call('DEL', l.keys[1])
+      else
+        redis.call('HSET', l.keys[1], 'c', fmt(c))
+      end
+      return 1
+    end,
+  }
 end
-
-ALG[2] = {
-  load = function(l)
-    local v = redis.call('HMGET', l.keys[1], 's', 'c')
-    return { start = num(v[1]), count = num(v[2]), period = math.max(1, l.period) }
-  end,
-  check = function(l, s, now)
-    local ws, to_end = window(s.period, now)
-    local c = (s.start == ws) and s.count or 0
-    if c + l.cost > l.count then
-      return 0, math.max(0, l.count - c), to_end, to_end
-    end
-    local reset = 0
-    if c + l.cost > 0 then
-      reset = to_end
-    end
-    return 1, l.count - c - l.cost, reset, 0
-  end,
-  commit = function(l, s, now, floor_ms)
-    local ws = window(s.period, now)
-    if s.start ~= ws then
-      s.start, s.count = ws, 0
-    end
-    s.count = s.count + l.cost
-    if s.count == 0 then
-      redis.call('DEL', l.keys[1])
-      return
-    end
-    redis.call('HSET', l.keys[1], 's', fmt(s.start), 'c', fmt(s.count))
-    expire(l.keys, s.start + s.period, now, floor_ms)
-  end,
-  peek = function(l, s, now)
-    local ws, to_end = window(s.period, now)
-    local c = (s.start == ws) and s.count or 0
-    if c > 0 then
-      return math.max(0, l.count - c), to_end
-    end
-    return math.max(0, l.count - c), 0
-  end,
-  -- Only the window the units were taken in holds them; once it has passed there is
-  -- nothing left to give back.
-  refund = function(l, at, _, _)
-    local s = ALG[2].load(l)
-    if s.count == 0 or s.start ~= window(s.period, at) then
-      return 0
-    end
-    local c = math.max(0, s.count - l.cost)
-    if c == 0 then
-      redis.call('DEL', l.keys[1])
-    else
-      redis.call('HSET', l.keys[1], 'c', fmt(c))
-    end
-    return 1
-  end,
-}
 
 -- sliding_window ---------------------------------------------------------------------------
 
-local function sw_normalise(l, s, now)
-  local ws, to_end = window(s.period, now)
-  local prev, curr = 0, 0
-  if s.start == ws then
-    prev, curr = s.prev, s.curr
-  elseif s.start + s.period == ws then
-    prev, curr = s.curr, 0
-  end
-  -- weight = ceil(prev * to_end / period): prev's share still inside the sliding period, in
-  -- units rounded up. Every comparison with count × period reduces to one with weight, which
-  -- keeps the numbers small (the Rust code compares the products in u128).
-  local q, r = muldiv(prev, to_end, s.period)
-  if r > 0 then
-    q = q + 1
-  end
-  return { ws = ws, to_end = to_end, prev = prev, curr = curr, weight = q }
-end
-
--- Whole units takeable with `curr` units in the current window.
-local function sw_remaining(l, n, curr)
-  if curr > l.count then
-    return 0
-  end
-  return math.max(0, l.count - curr - n.weight)
-end
-
-local function sw_reset_after(s, n, prev, curr)
-  if curr > 0 then
-    return n.to_end + s.period
-  elseif prev > 0 then
-    return n.to_end
-  end
-  return 0
-end
-
--- The smallest d >= 1 at which the same request is admitted if nothing else is.
-local function sw_retry_after(l, s, n)
-  local a = l.count - n.curr - l.cost
-  -- (a) later in this window, while prev's weight falls: x < to_end  <=>  a < weight.
-  if a >= 0 and n.prev > 0 and a < n.weight then
-    local x = muldiv(a, s.period, n.prev)
-    if x >= 1 then
-      return n.to_end - x
+BUILD[3] = function()
+  local EXACT = 9007199254740992 -- 2^53
+  -- floor(a * b / c) and the remainder, exact whenever the quotient is below 2^53 even if
+  -- a * b is not. Beyond 2^53 it splits a and b by c and multiplies the remainders by
+  -- doubling, keeping every intermediate value below c.
+  local function muldiv(a, b, c)
+    local p = a * b
+    if p < EXACT then
+      local q = fdiv(p, c)
+      return q, p - q * c
     end
+    local qa = fdiv(a, c)
+    local ra = a - qa * c
+    local qb = fdiv(b, c)
+    local rb = b - qb * c
+    local bits = {}
+    while rb > 0 do
+      local h = fdiv(rb, 2)
+      bits[#bits + 1] = rb - 2 * h
+      rb = h
+    end
+    local q, r = 0, 0
+    for i = #bits, 1, -1 do
+      q = 2 * q
+      if r >= c - r then
+        r = r - (c - r)
+        q = q + 1
+      else
+        r = r + r
+      end
+      if bits[i] == 1 then
+        if r >= c - ra then
+          r = r - (c - ra)
+          q = q + 1
+        else
+          r = r + ra
+        end
+      end
+    end
+    return qa * b + ra * qb + q, r
   end
-  -- (b) e µs into the next window, where curr has become prev.
-  local e = 0
-  local b = math.max(0, l.count - l.cost)
-  if n.curr > 0 and b < n.curr then
-    e = s.period - muldiv(b, s.period, n.curr)
-  end
-  return n.to_end + e
-end
 
-ALG[3] = {
-  load = function(l)
-    local v = redis.call('HMGET', l.keys[1], 's', 'c', 'p')
-    return { start = num(v[1]), curr = num(v[2]), prev = num(v[3]), period = math.max(1, l.period) }
-  end,
-  check = function(l, s, now)
-    local n = sw_normalise(l, s, now)
-    s.n = n
-    local after = n.curr + l.cost
-    if after <= l.count and n.weight <= l.count - after then
-      return 1, l.count - after - n.weight, sw_reset_after(s, n, n.prev, after), 0
+
+  local function sw_normalise(l, s, now)
+    local ws, to_end = window(s.period, now)
+    local prev, curr = 0, 0
+    if s.start == ws then
+      prev, curr = s.prev, s.curr
+    elseif s.start + s.period == ws then
+      prev, curr = s.curr, 0
     end
-    return 0, sw_remaining(l, n, n.curr), sw_reset_after(s, n, n.prev, n.curr), sw_retry_after(l, s, n)
-  end,
-  commit = function(l, s, now, floor_ms)
-    local n = s.n or sw_normalise(l, s, now)
-    local curr = n.curr + l.cost
-    local full_at = 0
-    if curr > 0 then
-      full_at = n.ws + 2 * s.period
-    elseif n.prev > 0 then
-      full_at = n.ws + s.period
+    -- weight = ceil(prev * to_end / period): prev's share still inside the sliding period, in
+    -- units rounded up. Every comparison with count × period reduces to one with weight, which
+    -- keeps the numbers small (the Rust code compares the products in u128).
+    local q, r = muldiv(prev, to_end, s.period)
+    if r > 0 then
+      q = q + 1
     end
-    if full_at <= now then
-      redis.call('DEL', l.keys[1])
-      return
-    end
-    redis.call('HSET', l.keys[1], 's', fmt(n.ws), 'c', fmt(curr), 'p', fmt(n.prev))
-    expire(l.keys, full_at, now, floor_ms)
-  end,
-  peek = function(l, s, now)
-    local n = sw_normalise(l, s, now)
-    return sw_remaining(l, n, n.curr), sw_reset_after(s, n, n.prev, n.curr)
-  end,
-  -- The units sit in `curr` of the window they were taken in, or in `prev` once a later
-  -- commit has rolled that window back by one.
-  refund = function(l, at, now, floor_ms)
-    local s = ALG[3].load(l)
-    local ws = window(s.period, at)
-    if s.start == ws and s.curr > 0 then
-      s.curr = math.max(0, s.curr - l.cost)
-    elseif s.start == ws + s.period and s.prev > 0 then
-      s.prev = math.max(0, s.prev - l.cost)
-    else
+    return { ws = ws, to_end = to_end, prev = prev, curr = curr, weight = q }
+  end
+
+  -- Whole units takeable with `curr` units in the current window.
+  local function sw_remaining(l, n, curr)
+    if curr > l.count then
       return 0
     end
-    local full_at = 0
-    if s.curr > 0 then
-      full_at = s.start + 2 * s.period
-    elseif s.prev > 0 then
-      full_at = s.start + s.period
+    return math.max(0, l.count - curr - n.weight)
+  end
+
+  local function sw_reset_after(s, n, prev, curr)
+    if curr > 0 then
+      return n.to_end + s.period
+    elseif prev > 0 then
+      return n.to_end
     end
-    if full_at <= now then
-      redis.call('DEL', l.keys[1])
-    else
-      redis.call('HSET', l.keys[1], 'c', fmt(s.curr), 'p', fmt(s.prev))
+    return 0
+  end
+
+  -- The smallest d >= 1 at which the same request is admitted if nothing else is.
+  local function sw_retry_after(l, s, n)
+    local a = l.count - n.curr - l.cost
+    -- (a) later in this window, while prev's weight falls: x < to_end  <=>  a < weight.
+    if a >= 0 and n.prev > 0 and a < n.weight then
+      local x = muldiv(a, s.period, n.prev)
+      if x >= 1 then
+        return n.to_end - x
+      end
+    end
+    -- (b) e µs into the next window, where curr has become prev.
+    local e = 0
+    local b = math.max(0, l.count - l.cost)
+    if n.curr > 0 and b < n.curr then
+      e = s.period - muldiv(b, s.period, n.curr)
+    end
+    return n.to_end + e
+  end
+
+  ALG[3] = {
+    load = function(l)
+      local v = redis.call('HMGET', l.keys[1], 's', 'c', 'p')
+      return { start = num(v[1]), curr = num(v[2]), prev = num(v[3]), period = math.max(1, l.period) }
+    end,
+    check = function(l, s, now)
+      local n = sw_normalise(l, s, now)
+      s.n = n
+      local after = n.curr + l.cost
+      if after <= l.count and n.weight <= l.count - after then
+        return 1, l.count - after - n.weight, sw_reset_after(s, n, n.prev, after), 0
+      end
+      return 0, sw_remaining(l, n, n.curr), sw_reset_after(s, n, n.prev, n.curr), sw_retry_after(l, s, n)
+    end,
+    commit = function(l, s, now, floor_ms)
+      local n = s.n or sw_normalise(l, s, now)
+      local curr = n.curr + l.cost
+      local full_at = 0
+      if curr > 0 then
+        full_at = n.ws + 2 * s.period
+      elseif n.prev > 0 then
+        full_at = n.ws + s.period
+      end
+      if full_at <= now then
+        redis.call('DEL', l.keys[1])
+        return
+      end
+      redis.call('HSET', l.keys[1], 's', fmt(n.ws), 'c', fmt(curr), 'p', fmt(n.prev))
       expire(l.keys, full_at, now, floor_ms)
-    end
-    return 1
-  end,
-}
+    end,
+    peek = function(l, s, now)
+      local n = sw_normalise(l, s, now)
+      return sw_remaining(l, n, n.curr), sw_reset_after(s, n, n.prev, n.curr)
+    end,
+    -- The units sit in `curr` of the window they were taken in, or in `prev` once a later
+    -- commit has rolled that window back by one.
+    refund = function(l, at, now, floor_ms)
+      local s = ALG[3].load(l)
+      local ws = window(s.period, at)
+      if s.start == ws and s.curr > 0 then
+        s.curr = math.max(0, s.curr - l.cost)
+      elseif s.start == ws + s.period and s.prev > 0 then
+        s.prev = math.max(0, s.prev - l.cost)
+      else
+        return 0
+      end
+      local full_at = 0
+      if s.curr > 0 then
+        full_at = s.start + 2 * s.period
+      elseif s.prev > 0 then
+        full_at = s.start + s.period
+      end
+      if full_at <= now then
+        redis.call('DEL', l.keys[1])
+      else
+        redis.call('HSET', l.keys[1], 'c', fmt(s.curr), 'p', fmt(s.prev))
+        expire(l.keys, full_at, now, floor_ms)
+      end
+      return 1
+    end,
+  }
+end
 
 -- sliding_log ------------------------------------------------------------------------------
 -- Entries are zset members "<seq>:<cost>" scored by their timestamp; the hash keeps the
@@ -388,131 +411,133 @@ ALG[3] = {
 -- keeps members unique. The Rust log merges entries of one instant; separate members with
 -- equal scores decide identically.
 
-local function entry_cost(member)
-  return tonumber(string.match(member, ':(%d+)$')) or 0
-end
-
-local function log_last_ts(l)
-  local last = redis.call('ZRANGE', l.keys[1], -1, -1, 'WITHSCORES')
-  if #last == 0 then
-    return nil
+BUILD[4] = function()
+  local function entry_cost(member)
+    return tonumber(string.match(member, ':(%d+)$')) or 0
   end
-  return tonumber(last[2])
-end
 
-local function log_reset_after(l, s, now)
-  local last = log_last_ts(l)
-  if last == nil then
-    return 0
+  local function log_last_ts(l)
+    local last = redis.call('ZRANGE', l.keys[1], -1, -1, 'WITHSCORES')
+    if #last == 0 then
+      return nil
+    end
+    return tonumber(last[2])
   end
-  return math.max(0, last + l.period - now)
-end
 
-ALG[4] = {
-  load = function(l)
-    return { sum = num(redis.call('HGET', l.keys[2], 'sum')) }
-  end,
-  -- used = sum minus the expired entries (ts + period <= now), which only a commit drops.
-  live = function(l, s, now)
-    local cutoff = now - l.period
-    local expired = redis.call('ZRANGEBYSCORE', l.keys[1], '-inf', fmt(cutoff))
-    local gone = 0
-    for _, m in ipairs(expired) do
-      gone = gone + entry_cost(m)
+  local function log_reset_after(l, s, now)
+    local last = log_last_ts(l)
+    if last == nil then
+      return 0
     end
-    s.expired = #expired
-    s.used = math.max(0, s.sum - gone)
-    s.cutoff = cutoff
-  end,
-  check = function(l, s, now)
-    ALG[4].live(l, s, now)
-    if s.used + l.cost <= l.count then
-      if l.cost > 0 then
-        return 1, l.count - s.used - l.cost, l.period, 0
+    return math.max(0, last + l.period - now)
+  end
+
+  ALG[4] = {
+    load = function(l)
+      return { sum = num(redis.call('HGET', l.keys[2], 'sum')) }
+    end,
+    -- used = sum minus the expired entries (ts + period <= now), which only a commit drops.
+    live = function(l, s, now)
+      local cutoff = now - l.period
+      local expired = redis.call('ZRANGEBYSCORE', l.keys[1], '-inf', fmt(cutoff))
+      local gone = 0
+      for _, m in ipairs(expired) do
+        gone = gone + entry_cost(m)
       end
-      return 1, l.count - s.used, log_reset_after(l, s, now), 0
-    end
-    -- The request fits once the oldest `need` live units have expired.
-    local need = s.used + l.cost - l.count
-    local freed, offset, retry = 0, 0, nil
-    while retry == nil do
-      local page = redis.call('ZRANGEBYSCORE', l.keys[1], '(' .. fmt(s.cutoff), '+inf',
-        'WITHSCORES', 'LIMIT', offset, 128)
-      if #page == 0 then
-        break
+      s.expired = #expired
+      s.used = math.max(0, s.sum - gone)
+      s.cutoff = cutoff
+    end,
+    check = function(l, s, now)
+      ALG[4].live(l, s, now)
+      if s.used + l.cost <= l.count then
+        if l.cost > 0 then
+          return 1, l.count - s.used - l.cost, l.period, 0
+        end
+        return 1, l.count - s.used, log_reset_after(l, s, now), 0
       end
-      for i = 1, #page, 2 do
-        freed = freed + entry_cost(page[i])
-        if freed >= need then
-          retry = math.max(0, tonumber(page[i + 1]) + l.period - now)
+      -- The request fits once the oldest `need` live units have expired.
+      local need = s.used + l.cost - l.count
+      local freed, offset, retry = 0, 0, nil
+      while retry == nil do
+        local page = redis.call('ZRANGEBYSCORE', l.keys[1], '(' .. fmt(s.cutoff), '+inf',
+          'WITHSCORES', 'LIMIT', offset, 128)
+        if #page == 0 then
           break
         end
-      end
-      offset = offset + #page / 2
-    end
-    if retry == nil then
-      -- Only for cost > count, which never fits: any positive answer is as good.
-      retry = math.max(1, l.period)
-    end
-    return 0, math.max(0, l.count - s.used), log_reset_after(l, s, now), retry
-  end,
-  commit = function(l, s, now, floor_ms)
-    if s.used == nil then
-      ALG[4].live(l, s, now)
-    end
-    if s.expired > 0 then
-      redis.call('ZREMRANGEBYSCORE', l.keys[1], '-inf', fmt(s.cutoff))
-    end
-    local sum = s.used
-    local last = log_last_ts(l)
-    if l.cost > 0 then
-      -- Should the clock step back, the units are recorded at the later instant, which
-      -- keeps timestamps ordered and errs towards limiting (as the Rust log does).
-      local ts = now
-      if last ~= nil and last > now then
-        ts = last
-      end
-      local seq = redis.call('HINCRBY', l.keys[2], 'seq', 1)
-      redis.call('ZADD', l.keys[1], fmt(ts), fmt(seq) .. ':' .. fmt(l.cost))
-      sum = sum + l.cost
-      last = ts
-    end
-    if last == nil then
-      redis.call('DEL', l.keys[1], l.keys[2])
-      return
-    end
-    redis.call('HSET', l.keys[2], 'sum', fmt(sum))
-    expire(l.keys, last + l.period, now, floor_ms)
-  end,
-  peek = function(l, s, now)
-    ALG[4].live(l, s, now)
-    return math.max(0, l.count - s.used), log_reset_after(l, s, now)
-  end,
-  -- Removes one entry of this cost recorded at `at`: the request's own, or one
-  -- indistinguishable from it. If the clock stepped back at the commit the entry sits later
-  -- and is not found: the units stay taken, which errs towards limiting.
-  refund = function(l, at, now, floor_ms)
-    local offset = 0
-    while true do
-      local page = redis.call('ZRANGEBYSCORE', l.keys[1], fmt(at), fmt(at), 'LIMIT', offset, 128)
-      if #page == 0 then
-        return 0
-      end
-      for _, m in ipairs(page) do
-        if entry_cost(m) == l.cost then
-          redis.call('ZREM', l.keys[1], m)
-          local sum = math.max(0, num(redis.call('HGET', l.keys[2], 'sum')) - l.cost)
-          local last = log_last_ts(l)
-          if last == nil then
-            redis.call('DEL', l.keys[1], l.keys[2])
-          else
-            redis.call('HSET', l.keys[2], 'sum', fmt(sum))
-            expire(l.keys, last + l.period, now, floor_ms)
+        for i = 1, #page, 2 do
+          freed = freed + entry_cost(page[i])
+          if freed >= need then
+            retry = math.max(0, tonumber(page[i + 1]) + l.period - now)
+            break
           end
-          return 1
         end
+        offset = offset + #page / 2
       end
-      offset = offset + #page
-    end
-  end,
-}
+      if retry == nil then
+        -- Only for cost > count, which never fits: any positive answer is as good.
+        retry = math.max(1, l.period)
+      end
+      return 0, math.max(0, l.count - s.used), log_reset_after(l, s, now), retry
+    end,
+    commit = function(l, s, now, floor_ms)
+      if s.used == nil then
+        ALG[4].live(l, s, now)
+      end
+      if s.expired > 0 then
+        redis.call('ZREMRANGEBYSCORE', l.keys[1], '-inf', fmt(s.cutoff))
+      end
+      local sum = s.used
+      local last = log_last_ts(l)
+      if l.cost > 0 then
+        -- Should the clock step back, the units are recorded at the later instant, which
+        -- keeps timestamps ordered and errs towards limiting (as the Rust log does).
+        local ts = now
+        if last ~= nil and last > now then
+          ts = last
+        end
+        local seq = redis.call('HINCRBY', l.keys[2], 'seq', 1)
+        redis.call('ZADD', l.keys[1], fmt(ts), fmt(seq) .. ':' .. fmt(l.cost))
+        sum = sum + l.cost
+        last = ts
+      end
+      if last == nil then
+        redis.call('DEL', l.keys[1], l.keys[2])
+        return
+      end
+      redis.call('HSET', l.keys[2], 'sum', fmt(sum))
+      expire(l.keys, last + l.period, now, floor_ms)
+    end,
+    peek = function(l, s, now)
+      ALG[4].live(l, s, now)
+      return math.max(0, l.count - s.used), log_reset_after(l, s, now)
+    end,
+    -- Removes one entry of this cost recorded at `at`: the request's own, or one
+    -- indistinguishable from it. If the clock stepped back at the commit the entry sits later
+    -- and is not found: the units stay taken, which errs towards limiting.
+    refund = function(l, at, now, floor_ms)
+      local offset = 0
+      while true do
+        local page = redis.call('ZRANGEBYSCORE', l.keys[1], fmt(at), fmt(at), 'LIMIT', offset, 128)
+        if #page == 0 then
+          return 0
+        end
+        for _, m in ipairs(page) do
+          if entry_cost(m) == l.cost then
+            redis.call('ZREM', l.keys[1], m)
+            local sum = math.max(0, num(redis.call('HGET', l.keys[2], 'sum')) - l.cost)
+            local last = log_last_ts(l)
+            if last == nil then
+              redis.call('DEL', l.keys[1], l.keys[2])
+            else
+              redis.call('HSET', l.keys[2], 'sum', fmt(sum))
+              expire(l.keys, last + l.period, now, floor_ms)
+            end
+            return 1
+          end
+        end
+        offset = offset + #page
+      end
+    end,
+  }
+end
