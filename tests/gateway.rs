@@ -391,6 +391,52 @@ async fn shadow_limits_count_but_never_reject_and_missing_keys_follow_on_missing
     assert_eq!(r.status(), 429);
 }
 
+/// `shadow: true` never changes what the client gets, whatever else the limit says: a missing
+/// key with `on_missing: reject` is counted, not refused, and a reservation with
+/// `on_limit: delay` is counted, not waited for (the clock here is manual, so a wait would
+/// never end).
+#[tokio::test]
+async fn a_shadow_limit_neither_refuses_a_missing_key_nor_delays() {
+    let up = Upstream::start().await;
+    let routes = "  - name: r
+    upstream: UPSTREAM
+    limits:
+      - name: shadow-tenant
+        key: [query:tenant]
+        on_missing: reject
+        rate: 100/1m
+        shadow: true
+      - name: shadow-delay
+        key: [ip]
+        rate: 1/1m
+        on_limit: delay
+        max_delay: 5m
+        shadow: true
+";
+    let (g, _clock) = Gateway::start_manual(&yaml(&up.url(), routes)).await;
+    let c = client();
+    for _ in 0..3 {
+        let r = tokio::time::timeout(Duration::from_secs(10), c.get(g.url("/")).send())
+            .await
+            .expect("a shadow limit's reservation is not waited for")
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let m = g.metrics().await;
+    let decisions = |limit: &str, decision: &str| {
+        metric(
+            &m,
+            &format!(
+                "tollgate_limit_decisions_total{{route=\"r\",limit=\"{limit}\",decision=\"{decision}\"}}"
+            ),
+        )
+    };
+    assert_eq!(decisions("shadow-tenant", "shadow_rejected"), Some(3.0), "{m}");
+    assert_eq!(decisions("shadow-tenant", "rejected"), Some(0.0), "{m}");
+    assert_eq!(decisions("shadow-delay", "allowed"), Some(1.0), "{m}");
+    assert_eq!(decisions("shadow-delay", "delayed"), Some(2.0), "{m}");
+}
+
 #[tokio::test]
 async fn on_missing_ip_falls_back_to_the_client_address() {
     let up = Upstream::start().await;

@@ -342,6 +342,11 @@ impl LimitSet {
             match limit.key.build(req, &mut keys) {
                 KeyOutcome::Built => spans.push((i, start, keys.len())),
                 KeyOutcome::Skip => {}
+                // A shadow limit never rejects: it counts what it would have done and does
+                // not apply, as with `on_missing: skip`.
+                KeyOutcome::Reject(_) if limit.shadow => {
+                    limit.metrics.shadow_rejected.inc();
+                }
                 KeyOutcome::Reject(part) => {
                     limit.metrics.rejected.inc();
                     return Verdict::MissingKey { limit: i, part };
@@ -734,7 +739,9 @@ impl LimitSet {
                     } else {
                         l.metrics.allowed.inc();
                     }
-                    if *d > delay {
+                    // A shadow limit's reservation is counted (as `delayed`) but never
+                    // waited for: shadow limits do not change what the client gets.
+                    if *d > delay && !l.shadow {
                         delay = *d;
                         delayed_by = Some(*i);
                     }
