@@ -114,19 +114,13 @@ async fn one_instance_is_exact_and_its_counts_reach_redis() {
 async fn run_three(
     redis: &RedisServer,
     route: &str,
+    algorithm: &str,
     sync: &str,
     per_second: u64,
     secs: f64,
 ) -> usize {
     let up = Upstream::start().await;
-    let yaml = cfg(
-        &redis.url(),
-        route,
-        "sliding_window",
-        "60/1d",
-        sync,
-        &up.url(),
-    );
+    let yaml = cfg(&redis.url(), route, algorithm, "60/1d", sync, &up.url());
     let gws = [
         Gateway::start(&yaml).await,
         Gateway::start(&yaml).await,
@@ -151,13 +145,22 @@ async fn run_three(
 async fn three_instances_over_admit_at_most_what_the_others_admit_in_one_interval() {
     let redis = RedisServer::start();
     // (sync_interval, requests per second per instance): bound = 60 + 2 × per_second × interval.
-    for (i, (sync_ms, per_second)) in [(100u64, 50u64), (50, 100), (200, 25)]
-        .into_iter()
-        .enumerate()
+    // (gcra's burst defaults to COUNT, and a day's rate refills nothing in 1.5 s: the same
+    // bound.)
+    for (i, (algorithm, sync_ms, per_second)) in [
+        ("sliding_window", 100u64, 50u64),
+        ("sliding_window", 50, 100),
+        ("sliding_window", 200, 25),
+        ("gcra", 100, 50),
+        ("gcra", 50, 100),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let admitted = run_three(
             &redis,
             &format!("three{i}"),
+            algorithm,
             &format!("{sync_ms}ms"),
             per_second,
             1.5,
@@ -167,7 +170,7 @@ async fn three_instances_over_admit_at_most_what_the_others_admit_in_one_interva
         let per_interval = (per_second * sync_ms).div_ceil(1000) as usize + 1;
         let bound = 60 + 2 * per_interval;
         println!(
-            "eventual: 3 instances, limit 60, sync {sync_ms} ms, {per_second} req/s each: admitted {admitted} (bound {bound})"
+            "eventual {algorithm}: 3 instances, limit 60, sync {sync_ms} ms, {per_second} req/s each: admitted {admitted} (bound {bound})"
         );
         assert!(admitted >= 60, "never fewer than the limit: {admitted}");
         // An interval really lasts sync_interval plus the syncer's tick and a round trip; on a
@@ -295,4 +298,66 @@ async fn a_client_moving_to_an_instance_new_to_its_key_finds_its_count_there() {
         made <= 1 + syncs,
         "{made} calls for 20 requests in {syncs} intervals"
     );
+}
+
+/// The TAT (µs, Redis time) of the route's gcra key, when it exists.
+fn tat(redis: &RedisServer, route: &str) -> Option<u64> {
+    redis
+        .cli(&["GET", &format!("tg:{{{route}/ev/k}}:gcra")])
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// gcra (the default algorithm) with `consistency: eventual`: exact on one instance; its units
+/// reach Redis as the TAT strict decisions use (expiring when the bucket is full again); and
+/// an instance new to the key learns that TAT before deciding, so the client finds no fresh
+/// budget there.
+#[tokio::test]
+async fn gcra_eventual_shares_one_tat_through_redis() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let yaml = cfg(&redis.url(), "gtat", "gcra", "10/1d", "50ms", &up.url());
+    let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+    let c = client();
+    let mut ok = 0;
+    for _ in 0..15 {
+        ok += usize::from(c.get(a.url("/")).send().await.unwrap().status() == 200);
+    }
+    assert_eq!(ok, 10, "one instance: exactly the burst");
+    // A's sync pushes its 10 units: the TAT is 10 emission intervals (8,640 s each) ahead.
+    let interval_us: u64 = 86_400_000_000 / 10;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let pushed = loop {
+        let time = redis.cli(&["TIME"]);
+        let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+        let now_us = parts.next().unwrap() * 1_000_000 + parts.next().unwrap();
+        match tat(&redis, "gtat") {
+            Some(t) if t >= now_us + 9 * interval_us => break t - now_us,
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "A never synced its units");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(pushed <= 10 * interval_us + 1_000_000, "{pushed} µs ahead");
+    let pttl: i64 = redis
+        .cli(&["PTTL", "tg:{gtat/ev/k}:gcra"])
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        pttl > 0 && (pttl as u64) <= pushed.div_ceil(1000) + 1_000,
+        "the TAT expires when the bucket is full again: PTTL {pttl} ms, TAT {pushed} µs ahead"
+    );
+    // B has never decided on the key: it learns the TAT, then refuses, with A's retry time.
+    for i in 0..5 {
+        let r = c.get(b.url("/")).send().await.unwrap();
+        assert_eq!(r.status(), 429, "request {i} on B: a fresh budget");
+        let retry: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(retry > 8_000 && retry <= 8_641, "Retry-After {retry}");
+    }
 }

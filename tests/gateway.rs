@@ -431,7 +431,11 @@ async fn a_shadow_limit_neither_refuses_a_missing_key_nor_delays() {
             ),
         )
     };
-    assert_eq!(decisions("shadow-tenant", "shadow_rejected"), Some(3.0), "{m}");
+    assert_eq!(
+        decisions("shadow-tenant", "shadow_rejected"),
+        Some(3.0),
+        "{m}"
+    );
     assert_eq!(decisions("shadow-tenant", "rejected"), Some(0.0), "{m}");
     assert_eq!(decisions("shadow-delay", "allowed"), Some(1.0), "{m}");
     assert_eq!(decisions("shadow-delay", "delayed"), Some(2.0), "{m}");

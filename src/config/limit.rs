@@ -173,15 +173,16 @@ pub(super) fn limit(
                 ],
             )?;
             if consistency == Consistency::Eventual {
-                if !matches!(
-                    algorithm,
-                    AlgorithmKind::FixedWindow | AlgorithmKind::SlidingWindow
-                ) {
+                if algorithm == AlgorithmKind::SlidingLog {
                     return Err(Invalid::new(
                         at(t),
-                        format!(
-                            "consistency: eventual works with fixed_window and sliding_window only, not {algorithm}: their counts can be summed across instances"
-                        ),
+                        "consistency: eventual works with gcra, fixed_window and sliding_window, not sliding_log: an exact log cannot be merged from counts (use consistency: strict)",
+                    ));
+                }
+                if on_limit == OnLimit::Delay {
+                    return Err(Invalid::new(
+                        at(t),
+                        "consistency: eventual cannot hold a reserved slot (a reservation must be taken where every instance sees it): use on_limit: reject or consistency: strict",
                     ));
                 }
                 if scope != Scope::Global {

@@ -9,6 +9,11 @@
 //! window counter, read the totals), so Redis sees about (active keys ÷ `sync_interval`)
 //! commands per second whatever the request rate.
 //!
+//! gcra has no windows to sum: each instance keeps its own view of the key's TAT (the TAT
+//! learned at the last sync, with the units admitted here since on top, by the same pure gcra
+//! core) and a sync adds its unpushed units to the TAT in Redis (`sync_gcra.lua`: the TAT moves
+//! on from max(TAT, now) by T per unit, on the key strict decisions use) and learns the result.
+//!
 //! Windows are aligned to Redis's clock (the offset to it is learned from every sync reply), so
 //! all instances count into the same window counters.
 //!
@@ -26,7 +31,9 @@
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
-use super::algorithm::{Algorithm, Micros, Rejection, SlidingState, Snapshot, State, WindowState};
+use super::algorithm::{
+    Algorithm, GcraState, Micros, Rejection, SlidingState, Snapshot, State, WindowState,
+};
 use super::local::sharded::Sharded;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -44,6 +51,10 @@ struct Counts {
     /// Non-zero while a request is learning the totals from Redis (its lead's token); the
     /// others wait for it.
     lead: u32,
+    /// gcra (which has no windows; `own_curr` holds its unpushed units and `ws` the window of
+    /// its last decision): this instance's TAT, in Redis time: the TAT learned at the last
+    /// sync with the units admitted here since then on top. 0 for the window algorithms.
+    tat: Micros,
 }
 
 impl Counts {
@@ -67,9 +78,16 @@ impl Counts {
         self.own_curr = 0;
     }
 
+    /// Until when the entry is kept: while a decision still reads its windows' counters, and
+    /// for gcra at least until its TAT is reached (the bucket is full again).
+    fn expires(&self, period: Micros) -> Micros {
+        (self.ws + 2 * period).max(self.tat)
+    }
+
     /// The algorithm state these counts stand for.
     fn state(&self, algorithm: &Algorithm) -> State {
         match algorithm {
+            Algorithm::Gcra(_) => State::Gcra(GcraState { tat: self.tat }),
             Algorithm::SlidingWindow(_) => State::SlidingWindow(SlidingState {
                 start: self.ws,
                 curr: self.known_curr + self.own_curr,
@@ -143,7 +161,7 @@ impl Drop for LearnGuard<'_> {
                 let period = self.period;
                 shard.update(hash, &self.key, 0, Counts::default, |c, _| {
                     c.lead = 0;
-                    c.ws + 2 * period
+                    c.expires(period)
                 });
             }
         }
@@ -337,10 +355,19 @@ impl EventualStore {
                 ..Counts::default()
             },
             |c, _| {
-                c.roll(w, p);
+                if let Algorithm::Gcra(g) = algorithm {
+                    // No windows: the units go on this instance's TAT now, and on Redis's at
+                    // the next sync.
+                    c.ws = c.ws.max(w);
+                    let mut s = GcraState { tat: c.tat };
+                    g.commit(&mut s, now, cost);
+                    c.tat = s.tat;
+                } else {
+                    c.roll(w, p);
+                }
                 c.own_curr += cost;
                 c.touched = true;
-                w + 2 * p
+                c.expires(p)
             },
         );
     }
@@ -391,6 +418,19 @@ impl EventualStore {
             },
             |c, _| {
                 c.lead = 0;
+                if let Algorithm::Gcra(g) = algorithm {
+                    // totals.0 is Redis's TAT with this push in it. Units admitted here since
+                    // the push was taken go back on top, as sync_gcra.lua would charge them;
+                    // and a TAT is never moved back (that would give budget back).
+                    c.own_curr -= item.push_curr.min(c.own_curr);
+                    let learned = if c.own_curr > 0 {
+                        totals.0.max(server_now) + c.own_curr.saturating_mul(g.emission_interval())
+                    } else {
+                        totals.0
+                    };
+                    c.tat = c.tat.max(learned);
+                    return c.expires(p);
+                }
                 if c.ws == item.ws {
                     c.known_curr = totals.0;
                     c.known_prev = totals.1;
@@ -401,7 +441,7 @@ impl EventualStore {
                     c.known_prev = totals.0;
                     c.own_prev -= item.push_curr.min(c.own_prev);
                 }
-                c.ws + 2 * p
+                c.expires(p)
             },
         );
     }
@@ -414,7 +454,7 @@ impl EventualStore {
         let mut shard = self.map.lock(hash);
         shard.update(hash, &item.key, now, Counts::default, |c, live| {
             c.touched |= live;
-            c.ws + 2 * p
+            c.expires(p)
         });
     }
 
@@ -426,7 +466,7 @@ impl EventualStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::algorithm::{FixedWindow, Quota};
+    use crate::limit::algorithm::{FixedWindow, Gcra, Quota};
 
     #[test]
     fn one_request_learns_a_new_key_and_the_others_follow() {
@@ -473,5 +513,41 @@ mod tests {
         ));
         drop(current);
         assert!(ev.knows(b"m", later));
+    }
+
+    /// gcra: units admitted while a sync is in flight stay on top of the TAT Redis returns, and
+    /// a sync never moves the TAT back.
+    #[test]
+    fn a_gcra_sync_keeps_the_units_admitted_meanwhile() {
+        let g = Gcra::new(Quota {
+            count: 10,
+            period: 1_000_000,
+            burst: 10,
+        });
+        let t = g.emission_interval();
+        let alg = Algorithm::Gcra(g);
+        let ev = EventualStore::default();
+        let now = 5_000_000;
+        let server = ev.redis_now(now);
+        for _ in 0..3 {
+            ev.commit(&alg, b"k", now, 1);
+        }
+        assert_eq!(ev.peek(&alg, b"k", now).remaining, 7);
+        let items = ev.due(now);
+        assert_eq!(items.len(), 1);
+        assert_eq!(items[0].push_curr, 3);
+        // One more while the push is in flight; Redis adds another instance's 2 units too.
+        ev.commit(&alg, b"k", now, 1);
+        let redis_tat = server + 5 * t;
+        ev.apply(&alg, &items[0], (redis_tat, 0), server, now, now);
+        assert_eq!(ev.peek(&alg, b"k", now).remaining, 4, "5 in Redis + 1 here");
+        assert!(
+            ev.due(now).iter().all(|i| i.push_curr == 1),
+            "the 1 is pushed next"
+        );
+        // A TAT behind this instance's own (Redis lost the key) does not give budget back.
+        let items = ev.due(now);
+        ev.apply(&alg, &items[0], (0, 0), server, now, now);
+        assert_eq!(ev.peek(&alg, b"k", now).remaining, 4);
     }
 }

@@ -134,8 +134,9 @@ impl Limit {
         self.scope == Scope::Global && self.eventual.is_none()
     }
 
-    /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`): pushes its
-    /// unpushed units, learns the window totals. On failure the units stay for the next sync.
+    /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`, or
+    /// `sync_gcra.lua`): pushes its unpushed units, learns the window totals (gcra: the TAT).
+    /// On failure the units stay for the next sync.
     pub async fn sync_eventual(
         &self,
         redis: &RedisStore,
@@ -153,18 +154,31 @@ impl Limit {
             _ => period,
         };
         let sent = clock.now();
-        let reply = redis
-            .sync_counts(
-                (
-                    self.eventual_key(&item.key, item.ws),
-                    self.eventual_key(&item.key, item.ws.saturating_sub(period)),
-                ),
-                (item.push_curr, item.push_prev),
-                item.ws,
-                life,
-                period,
-            )
-            .await;
+        let reply = match &self.algorithm {
+            // gcra has no windows: the units go on the TAT strict decisions use (same key).
+            Algorithm::Gcra(g) => {
+                let key =
+                    redis::redis_keys(&self.redis_key(&item.key), &self.algorithm).swap_remove(0);
+                redis
+                    .sync_gcra(key, item.push_curr, g.emission_interval())
+                    .await
+                    .map(|(tat, now)| (tat, 0, now))
+            }
+            _ => {
+                redis
+                    .sync_counts(
+                        (
+                            self.eventual_key(&item.key, item.ws),
+                            self.eventual_key(&item.key, item.ws.saturating_sub(period)),
+                        ),
+                        (item.push_curr, item.push_prev),
+                        item.ws,
+                        life,
+                        period,
+                    )
+                    .await
+            }
+        };
         match reply {
             Ok((curr, prev, server_now)) => {
                 ev.apply(

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::super::{AlgorithmKind, KeyPart, OnMissing};
+use super::super::{AlgorithmKind, Consistency, KeyPart, OnMissing};
 use super::{assert_err, ok, with_limit, with_redis_limit};
 
 #[test]
@@ -169,13 +169,13 @@ fn global_scope_needs_redis() {
 }
 
 #[test]
-fn eventual_needs_a_window_algorithm() {
+fn eventual_takes_gcra_and_the_windows_but_not_the_log_nor_a_delay() {
+    // gcra is the default algorithm: an eventual limit that names none is valid.
     let yaml = with_redis_limit(&["rate: 10/1s", "consistency: eventual"]);
-    assert_err(
-        &yaml,
-        9,
-        22,
-        "eventual works with fixed_window and sliding_window only, not gcra",
+    let l = &ok(&yaml).routes[0].limits[0];
+    assert_eq!(
+        (l.algorithm, l.consistency),
+        (AlgorithmKind::Gcra, Consistency::Eventual)
     );
     let yaml = with_redis_limit(&[
         "algorithm: sliding_log",
@@ -183,6 +183,13 @@ fn eventual_needs_a_window_algorithm() {
         "consistency: eventual",
     ]);
     assert_err(&yaml, 10, 22, "not sliding_log");
+    let yaml = with_redis_limit(&[
+        "rate: 10/1s",
+        "on_limit: delay",
+        "max_delay: 1s",
+        "consistency: eventual",
+    ]);
+    assert_err(&yaml, 11, 22, "eventual cannot hold a reserved slot");
 }
 
 #[test]

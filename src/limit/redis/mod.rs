@@ -589,6 +589,34 @@ impl RedisStore {
         }
     }
 
+    /// Eventual consistency for a gcra limit (`sync_gcra.lua`): adds `units` admitted on this
+    /// instance to the shared TAT at `key` (one emission `interval` each) and returns the TAT
+    /// and the server time.
+    pub async fn sync_gcra(
+        &self,
+        key: String,
+        units: u64,
+        interval: Micros,
+    ) -> Result<(Micros, Micros), RedisError> {
+        self.inner.check_breaker()?;
+        let arg = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let reply = self
+            .inner
+            .eval(
+                &self.inner.scripts.sync_gcra,
+                vec![key],
+                vec![arg(units), arg(interval)],
+            )
+            .await?;
+        match reply[..] {
+            [tat, now] => Ok((
+                u64::try_from(tat).unwrap_or(0),
+                u64::try_from(now).unwrap_or(0),
+            )),
+            _ => Err(RedisError::Protocol(format!("sync reply {reply:?}"))),
+        }
+    }
+
     /// The breaker lets requests through: Redis answered last time, or has not failed yet.
     pub fn is_available(&self) -> bool {
         self.inner.breaker().allows_requests()

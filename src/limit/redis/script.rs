@@ -32,6 +32,8 @@ pub const MAX_PARAM: u64 = 1 << 50;
 
 /// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
 pub const SYNC_LUA: &str = include_str!("lua/sync.lua");
+/// The same for a gcra key: adds this instance's units to the shared TAT.
+pub const SYNC_GCRA_LUA: &str = include_str!("lua/sync_gcra.lua");
 
 /// Values per limit in ARGV: algo, count, period, burst, cost, max_delay.
 pub const ARGS_PER_LIMIT: usize = 6;
@@ -50,6 +52,7 @@ pub struct Scripts {
     pub refund: Script,
     pub peek: Script,
     pub sync: Script,
+    pub sync_gcra: Script,
 }
 
 impl Scripts {
@@ -59,6 +62,7 @@ impl Scripts {
             refund: Script::from_lua(REFUND_LUA),
             peek: Script::from_lua(PEEK_LUA),
             sync: Script::from_lua(SYNC_LUA),
+            sync_gcra: Script::from_lua(SYNC_GCRA_LUA),
         }
     }
 }
