@@ -355,7 +355,7 @@ fn compose_has_the_stack_and_mounts_only_files_that_exist() {
     let cfg = tollgate::config::load(&repo_path("deploy/routes.yaml"))
         .unwrap_or_else(|e| panic!("deploy/routes.yaml: {e}"));
     let cfg = serde_json::to_value(&cfg).unwrap();
-    let redis_url = cfg["redis"]["target"]["url"]
+    let redis_url = cfg["redis"]["url"]
         .as_str()
         .expect("deploy/routes.yaml shares limits through one Redis (redis.url)");
     assert_eq!(host_port(redis_url, 6379), (redis.clone(), 6379));
@@ -365,7 +365,13 @@ fn compose_has_the_stack_and_mounts_only_files_that_exist() {
         "the stack demonstrates at least two routes"
     );
     for route in routes {
-        for url in str_list(&route["upstreams"], "upstreams") {
+        // One upstream is a string, several a list, as in the YAML.
+        let upstream = &route["upstream"];
+        let urls = match upstream.as_str() {
+            Some(one) => vec![one.to_string()],
+            None => str_list(upstream, "upstream"),
+        };
+        for url in urls {
             assert_eq!(
                 host_port(&url, 80),
                 ("upstream".to_string(), 80),

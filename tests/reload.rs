@@ -69,7 +69,7 @@ async fn an_edited_file_is_applied_and_a_bad_one_is_refused_with_the_old_config_
     wait_for(async || reloads(&g, "error").await >= 1.0).await;
     assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
     let running: serde_json::Value = g.admin_json("/admin/config").await;
-    assert_eq!(running["routes"][0]["limits"][0]["rate"]["count"], 100);
+    assert_eq!(running["routes"][0]["limits"][0]["rate"], "100/1h");
     let r = c.post(g.admin_url("/admin/reload")).send().await.unwrap();
     assert_eq!(r.status(), 422);
     let body: serde_json::Value = r.json().await.unwrap();

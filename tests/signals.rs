@@ -57,7 +57,7 @@ async fn sighup_reloads_the_file() {
             .json()
             .await
             .unwrap();
-        if cfg["routes"][0]["limits"][0]["rate"]["period"] == "1s" {
+        if cfg["routes"][0]["limits"][0]["rate"] == "1/1s" {
             break;
         }
         assert!(Instant::now() < deadline, "not reloaded: {cfg}");

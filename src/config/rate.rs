@@ -10,11 +10,17 @@ use std::time::Duration;
 use serde::Serialize;
 
 /// `count` units per `period`: what one limit lets through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rate {
     pub count: u64,
-    #[serde(serialize_with = "super::types::serialize_duration")]
     pub period: Duration,
+}
+
+/// As written in the YAML: `100/1m`.
+impl Serialize for Rate {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 impl Rate {

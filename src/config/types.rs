@@ -109,6 +109,8 @@ impl Default for ServerConfig {
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RedisConfig {
+    /// `url: ..` or `cluster: [..]` right in the section, as in the YAML.
+    #[serde(flatten)]
     pub target: RedisTarget,
     /// Per command: a slow Redis must not hold requests longer than this.
     #[serde(serialize_with = "serialize_duration")]
@@ -139,9 +141,11 @@ pub enum OnError {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouteConfig {
     pub name: String,
+    #[serde(rename = "match")]
     pub matcher: RouteMatch,
-    /// Balanced round-robin; never empty.
-    #[serde(serialize_with = "serialize_display_list")]
+    /// Balanced round-robin; never empty. Serialized as the YAML's `upstream`: one URL, or a
+    /// list of them.
+    #[serde(rename = "upstream", serialize_with = "serialize_upstreams")]
     pub upstreams: Vec<http::Uri>,
     /// Whole upstream exchange; past it the client gets 504.
     #[serde(serialize_with = "serialize_duration")]
@@ -155,11 +159,17 @@ pub struct RouteConfig {
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouteMatch {
+    /// `path: ..` or `path_prefix: ..` right in `match`, as in the YAML.
+    #[serde(flatten)]
     pub path: PathMatch,
     /// Lowercase, without a port: compare with the request's host the same way.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
     /// Uppercase; `None` matches every method.
-    #[serde(serialize_with = "serialize_methods")]
+    #[serde(
+        serialize_with = "serialize_methods",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub methods: Option<Vec<http::Method>>,
 }
 
@@ -174,7 +184,7 @@ pub enum PathMatch {
     Prefix(String),
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LimitConfig {
     pub name: String,
     /// Parts joined into the client key; never empty.
@@ -189,14 +199,43 @@ pub struct LimitConfig {
     pub cost: u64,
     pub on_limit: OnLimit,
     /// Longest wait with `on_limit: delay`; 0 with `reject`.
-    #[serde(serialize_with = "serialize_duration")]
     pub max_delay: Duration,
     /// Count and report, never reject.
     pub shadow: bool,
     pub consistency: Consistency,
     /// How often an `eventual` limit exchanges counts with Redis.
-    #[serde(serialize_with = "serialize_duration")]
     pub sync_interval: Duration,
+}
+
+/// Field by field as the YAML has them, so the output loads back as a routes.yaml; `burst`
+/// only for gcra (the file refuses it on the other algorithms, where it is just the count).
+impl Serialize for LimitConfig {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let gcra = self.algorithm == AlgorithmKind::Gcra;
+        let mut m = s.serialize_struct("LimitConfig", 13)?;
+        m.serialize_field("name", &self.name)?;
+        m.serialize_field("key", &self.key)?;
+        m.serialize_field("on_missing", &self.on_missing)?;
+        m.serialize_field("algorithm", &self.algorithm)?;
+        m.serialize_field("rate", &self.rate)?;
+        if gcra {
+            m.serialize_field("burst", &self.burst)?;
+        } else {
+            m.skip_field("burst")?;
+        }
+        m.serialize_field("scope", &self.scope)?;
+        m.serialize_field("cost", &self.cost)?;
+        m.serialize_field("on_limit", &self.on_limit)?;
+        m.serialize_field("max_delay", &DurationText(self.max_delay).to_string())?;
+        m.serialize_field("shadow", &self.shadow)?;
+        m.serialize_field("consistency", &self.consistency)?;
+        m.serialize_field(
+            "sync_interval",
+            &DurationText(self.sync_interval).to_string(),
+        )?;
+        m.end()
+    }
 }
 
 /// One part of a limit's key; written `ip`, `header:NAME`, `query:NAME`,
@@ -308,11 +347,20 @@ fn serialize_secret<S: Serializer>(secret: &Option<String>, s: S) -> Result<S::O
     }
 }
 
-fn serialize_display_list<S: Serializer, T: fmt::Display>(
-    items: &[T],
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    s.collect_seq(items.iter().map(ToString::to_string))
+/// As the YAML has it: a string for one upstream, a list for several; and without the `/`
+/// that `http::Uri` shows for an empty path, so `http://10.0.0.5:9000` reads back as written.
+fn serialize_upstreams<S: Serializer>(upstreams: &[http::Uri], s: S) -> Result<S::Ok, S::Error> {
+    let text = |u: &http::Uri| {
+        let t = u.to_string();
+        match t.strip_suffix('/') {
+            Some(bare) if u.path_and_query().is_some_and(|p| p.as_str() == "/") => bare.to_string(),
+            _ => t,
+        }
+    };
+    match upstreams {
+        [one] => s.serialize_str(&text(one)),
+        many => s.collect_seq(many.iter().map(text)),
+    }
 }
 
 fn serialize_methods<S: Serializer>(
