@@ -415,8 +415,9 @@ redis_stats() {
 # target that is not a global-limit tollgate.
 tg_metrics() {
     if [[ "$1" != tg-global-* ]]; then echo "0 0 0 0 0 0"; return 0; fi
-    local m; m="$(curl -s -m 5 "http://127.0.0.1:${PORT[$1-admin]}/metrics")" || true
-    [[ "$m" == *"# EOF"* ]] || die "no /metrics from ${LABEL[$1]}"
+    # Classic text has no end marker: curl -f fails on an error status or a cut-short body.
+    local m; m="$(curl -sf -m 5 "http://127.0.0.1:${PORT[$1-admin]}/metrics")" \
+        || die "no /metrics from ${LABEL[$1]}"
     awk '
         /^tollgate_limiter_tier_decisions_total\{/ && /scope="global"/ {
             if (/tier="redis"/) r += $NF; else if (/tier="in_process"/) ip += $NF; else if (/tier="fallback"/) fb += $NF

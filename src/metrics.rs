@@ -17,6 +17,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
+mod text;
+pub use text::Format;
+
 /// Seconds; from 100 µs (a local decision with headroom) to 30 s (the default route timeout).
 const LATENCY_BUCKETS: [f64; 16] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -264,12 +267,20 @@ impl Metrics {
         }
     }
 
-    /// Prometheus text exposition (OpenMetrics flavour, which Prometheus scrapes natively).
-    pub fn encode(&self) -> String {
-        let mut out = String::with_capacity(16 * 1024);
+    /// The registry in `format`. prometheus-client writes OpenMetrics only; classic text is
+    /// derived from it (the `text` module says why).
+    pub fn encode(&self, format: Format) -> String {
+        let mut openmetrics = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        let _ = prometheus_client::encoding::text::encode(&mut openmetrics, &self.registry);
+        match format {
+            Format::OpenMetrics => openmetrics,
+            Format::Text => {
+                let mut out = String::new();
+                text::openmetrics_to_text(&openmetrics, &mut out);
+                out
+            }
+        }
     }
 
     pub fn route(&self, route: &str) -> RouteMetrics {
@@ -380,8 +391,7 @@ pub const UNMATCHED_ROUTE: &str = "_unmatched";
 mod tests {
     use super::*;
 
-    #[test]
-    fn histogram_encodes_cumulative_buckets_and_sum() {
+    fn observed() -> Metrics {
         let m = Metrics::new();
         let r = m.route("users");
         r.request_duration.observe(Duration::from_micros(50));
@@ -389,26 +399,70 @@ mod tests {
         r.request(200);
         r.request(429);
         r.request(429);
-        let text = m.encode();
+        m.limit("users", "per-ip").allowed.inc();
+        m.set_local_keys(3);
+        m
+    }
+
+    #[test]
+    fn histogram_encodes_cumulative_buckets_and_sum() {
+        let m = observed();
+        for format in [Format::Text, Format::OpenMetrics] {
+            let text = m.encode(format);
+            for series in [
+                "tollgate_request_duration_seconds_bucket{le=\"0.0001\",route=\"users\"} 1\n",
+                "tollgate_request_duration_seconds_bucket{le=\"+Inf\",route=\"users\"} 2\n",
+                "tollgate_request_duration_seconds_count{route=\"users\"} 2\n",
+                "tollgate_requests_total{route=\"users\",status=\"429\"} 2\n",
+                "tollgate_requests_total{route=\"users\",status=\"200\"} 1\n",
+            ] {
+                assert!(text.contains(series), "{format:?} lacks {series}{text}");
+            }
+        }
+    }
+
+    /// Every sample of the classic text belongs to the family its `# TYPE` line announces, as a
+    /// classic parser matches them; OpenMetrics keeps its own family names and `# EOF`.
+    #[test]
+    fn classic_text_announces_every_family_by_its_sample_names() {
+        let m = observed();
+        let text = m.encode(Format::Text);
+        let mut family: Option<(&str, &str)> = None;
+        let mut samples = 0;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                family = rest.split_once(' ');
+                continue;
+            }
+            if line.starts_with('#') {
+                assert!(line.starts_with("# HELP "), "{line}");
+                continue;
+            }
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            let (fam, kind) = family.unwrap_or_else(|| panic!("{line} before any # TYPE"));
+            let ok = match kind {
+                "counter" | "gauge" => name == fam,
+                "histogram" => ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|s| name.strip_prefix(fam) == Some(*s)),
+                _ => false,
+            };
+            assert!(ok, "{line} under # TYPE {fam} {kind}");
+            samples += 1;
+        }
+        assert!(samples > 20, "{text}");
         assert!(
-            text.contains(
-                "tollgate_request_duration_seconds_bucket{le=\"0.0001\",route=\"users\"} 1"
-            ) || text.contains(
-                "tollgate_request_duration_seconds_bucket{route=\"users\",le=\"0.0001\"} 1"
-            ),
+            text.contains("# TYPE tollgate_requests_total counter\n"),
             "{text}"
         );
         assert!(
-            text.contains("tollgate_request_duration_seconds_count{route=\"users\"} 2"),
+            text.contains("# HELP tollgate_requests_total Requests answered"),
             "{text}"
         );
-        assert!(
-            text.contains("tollgate_requests_total{route=\"users\",status=\"429\"} 2"),
-            "{text}"
-        );
-        assert!(
-            text.contains("tollgate_requests_total{route=\"users\",status=\"200\"} 1"),
-            "{text}"
-        );
+        assert!(text.contains("tollgate_local_keys 3\n"), "{text}");
+
+        let om = m.encode(Format::OpenMetrics);
+        assert!(om.contains("# TYPE tollgate_requests counter\n"), "{om}");
+        assert!(om.ends_with("# EOF\n"), "{om}");
     }
 }

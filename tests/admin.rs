@@ -158,3 +158,93 @@ async fn log_keys_puts_the_key_in_rejection_lines_when_configured() {
     let (_, line) = rejection_log("  log_keys: true\n", "ann").await;
     assert_eq!(line["fields"]["key"], "ann");
 }
+
+/// The `Content-Type` of an answer.
+fn content_type(r: &reqwest::Response) -> &str {
+    r.headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+}
+
+/// Reads `text` as a classic text-format parser does: a sample belongs to the family of the
+/// last `# TYPE` line, and must bear its name (counter, gauge) or name and a histogram suffix;
+/// every `#` line is a HELP or TYPE. Returns the number of samples.
+fn assert_classic_families(text: &str) -> usize {
+    let mut family: Option<(&str, &str)> = None;
+    let mut samples = 0;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            family = rest.split_once(' ');
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split(' ').next().unwrap_or_default();
+            let announced = text.contains(&format!("# TYPE {name} "));
+            assert!(announced, "HELP of {name} with no TYPE of that name");
+            continue;
+        }
+        assert!(!line.starts_with('#'), "not classic text: {line}");
+        let name = line.split(['{', ' ']).next().unwrap_or_default();
+        let (fam, kind) = family.unwrap_or_else(|| panic!("{line} before any # TYPE"));
+        let belongs = match kind {
+            "counter" | "gauge" => name == fam,
+            "histogram" => ["_bucket", "_sum", "_count"]
+                .iter()
+                .any(|s| name.strip_prefix(fam) == Some(*s)),
+            _ => false,
+        };
+        assert!(belongs, "{line} is not a sample of # TYPE {fam} {kind}");
+        samples += 1;
+    }
+    samples
+}
+
+#[tokio::test]
+async fn metrics_are_classic_text_unless_the_scraper_asks_for_openmetrics() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "")).await;
+    let c = client();
+    for _ in 0..4 {
+        c.get(g.url("/"))
+            .header("x-user", "ann")
+            .send()
+            .await
+            .unwrap();
+    }
+
+    // Default (reqwest sends `Accept: */*`, curl too): classic text, counters named `_total`.
+    let r = c.get(g.admin_url("/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(content_type(&r), "text/plain; version=0.0.4; charset=utf-8");
+    let text = r.text().await.unwrap();
+    for line in [
+        "# TYPE tollgate_requests_total counter\n",
+        "# TYPE tollgate_limit_decisions_total counter\n",
+        "# TYPE tollgate_request_duration_seconds histogram\n",
+        "# TYPE tollgate_local_keys gauge\n",
+    ] {
+        assert!(text.contains(line), "lacks {line}{text}");
+    }
+    let series = "tollgate_requests_total{route=\"api\",status=\"429\"}";
+    assert_eq!(support::metric(&text, series), Some(1.0), "{text}");
+    assert!(!text.contains("# EOF"), "{text}");
+    assert!(assert_classic_families(&text) > 20, "{text}");
+
+    // Prometheus asks for OpenMetrics first: it gets what the crate writes.
+    let r = c
+        .get(g.admin_url("/metrics"))
+        .header("accept", "application/openmetrics-text;version=1.0.0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        content_type(&r),
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    let om = r.text().await.unwrap();
+    assert!(om.contains("# TYPE tollgate_requests counter\n"), "{om}");
+    assert_eq!(support::metric(&om, series), Some(1.0), "{om}");
+    assert!(om.ends_with("# EOF\n"), "{om}");
+}

@@ -528,11 +528,11 @@ async fn metrics_healthz_readyz_on_admin_port_only() {
         assert!(m.contains(series), "missing {series} in\n{m}");
     }
     for name in [
-        "tollgate_redis_errors",
-        "tollgate_fallback_decisions",
-        "tollgate_config_reloads",
+        "tollgate_redis_errors_total",
+        "tollgate_fallback_decisions_total",
+        "tollgate_config_reloads_total",
     ] {
-        assert!(m.contains(&format!("# TYPE {name} counter")), "{name}");
+        assert!(m.contains(&format!("# TYPE {name} counter\n")), "{name}");
     }
     assert!(!m.contains("127.0.0.1"), "no client key in any label");
     assert_eq!(

@@ -999,8 +999,13 @@ async fn image_command_serves_health_and_metrics_without_redis_and_stops_on_sigt
         .filter_map(|l| l.strip_prefix("# TYPE "))
         .filter_map(|l| l.split_once(' '))
         .collect();
+    // Classic text (served unless OpenMetrics is asked for) names a counter family as its
+    // samples are named, with `_total`.
     for (family, kind) in &types {
-        let expected = if COUNTERS.contains(family) {
+        let counter = family
+            .strip_suffix("_total")
+            .is_some_and(|c| COUNTERS.contains(&c));
+        let expected = if counter {
             "counter"
         } else if HISTOGRAMS.contains(family) {
             "histogram"
@@ -1015,12 +1020,12 @@ async fn image_command_serves_health_and_metrics_without_redis_and_stops_on_sigt
         );
     }
     for family in [
-        "tollgate_requests",
-        "tollgate_limit_decisions",
+        "tollgate_requests_total",
+        "tollgate_limit_decisions_total",
         "tollgate_limiter_duration_seconds",
-        "tollgate_redis_errors",
-        "tollgate_fallback_decisions",
-        "tollgate_config_reloads",
+        "tollgate_redis_errors_total",
+        "tollgate_fallback_decisions_total",
+        "tollgate_config_reloads_total",
     ] {
         assert!(
             types.contains_key(family),

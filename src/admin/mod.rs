@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,6 +17,7 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use crate::app::Shared;
+use crate::metrics::Format;
 
 pub fn router(shared: Arc<Shared>) -> Router {
     let admin = Router::new()
@@ -60,13 +61,23 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
-    let body = shared.proxy.metrics.encode();
+/// Classic text unless the scraper prefers OpenMetrics (see [`Format::negotiate`]); `Vary`
+/// keeps a cache between scraper and admin port from serving one format for the other.
+async fn metrics(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    let accept = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok());
+    let format = Format::negotiate(accept);
+    let body = shared.proxy.metrics.encode(format);
     (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-        )],
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(format.content_type()),
+            ),
+            (header::VARY, HeaderValue::from_static("accept")),
+        ],
         body,
     )
         .into_response()
