@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use tollgate::app::{App, Options};
+use tollgate::app::{App, AppError, Options};
 
 /// Large key tables on transparent huge pages (see `tollgate::alloc`).
 #[global_allocator]
@@ -31,8 +31,9 @@ enum Command {
     Run(RunArgs),
     /// Validate the config, print a summary, exit 0; on error print PATH:LINE:COL: message, exit 1.
     Check {
-        #[arg(long, default_value = "routes.yaml")]
-        config: PathBuf,
+        /// The routes file [default: the one given before `check`, else routes.yaml].
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
 }
 
@@ -41,11 +42,11 @@ struct RunArgs {
     /// The routes file.
     #[arg(long, default_value = "routes.yaml")]
     config: PathBuf,
-    /// Proxy listener address (overrides server.listen).
-    #[arg(long)]
+    /// Proxy listener address (overrides server.listen): IP:PORT, :PORT, PORT or localhost:PORT.
+    #[arg(long, value_parser = listen_arg)]
     listen: Option<SocketAddr>,
-    /// Admin listener address (overrides server.admin).
-    #[arg(long)]
+    /// Admin listener address (overrides server.admin), written as --listen.
+    #[arg(long, value_parser = listen_arg)]
     admin: Option<SocketAddr>,
     /// Log line format (stderr).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -61,10 +62,18 @@ enum LogFormat {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Check { config }) => check(&config),
+        // `tollgate --config X check` checks X, not ./routes.yaml.
+        Some(Command::Check { config }) => check(&config.unwrap_or(cli.run.config)),
         Some(Command::Run(args)) => run(args),
         None => run(cli.run),
     }
+}
+
+/// `--listen` / `--admin` take what `server.listen` takes.
+fn listen_arg(s: &str) -> Result<SocketAddr, String> {
+    tollgate::config::listen_addr(s).ok_or_else(|| {
+        format!("`{s}` is not a listen address: write IP:PORT, :PORT, PORT or localhost:PORT")
+    })
 }
 
 fn check(path: &std::path::Path) -> ExitCode {
@@ -105,6 +114,14 @@ fn run(args: RunArgs) -> ExitCode {
     };
     match rt.block_on(serve(args)) {
         Ok(()) => ExitCode::SUCCESS,
+        // A bad file reads exactly as `tollgate check` reports it: `PATH:LINE:COL: message`.
+        Err(e)
+            if e.downcast_ref::<AppError>()
+                .is_some_and(|e| matches!(e, AppError::Config(_))) =>
+        {
+            eprintln!("{e:#}");
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("tollgate: {e:#}");
             ExitCode::FAILURE

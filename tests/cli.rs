@@ -93,7 +93,32 @@ fn run_with_a_bad_file_exits_1_without_serving() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{}:1:", path.display())));
+    // The same form as `check`'s, from the line's first character.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("{}:1:", path.display())),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn config_given_before_check_is_the_file_checked() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli4-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.yaml");
+    std::fs::write(&path, "routes: 5\n").unwrap();
+    let out = tollgate()
+        .args(["--config", path.to_str().unwrap(), "check"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("{}:1:", path.display())),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -146,15 +146,33 @@ fn upstream_ca(t: &Text, base: &Path) -> Checked<UpstreamCa> {
 }
 
 fn socket_addr(t: &Text) -> Checked<SocketAddr> {
-    t.value.trim().parse().map_err(|_| {
+    listen_addr(&t.value).ok_or_else(|| {
         Invalid::new(
             at(t),
             format!(
-                "`{}` is not a socket address: write IP:PORT, e.g. 0.0.0.0:8080, 127.0.0.1:9090 or [::]:8080",
+                "`{}` is not a listen address: write IP:PORT (0.0.0.0:8080, [::]:8080), :PORT or PORT (every interface), or localhost:PORT",
                 t.value
             ),
         )
     })
+}
+
+/// A listener address as operators write it elsewhere: `IP:PORT`, `:PORT` or a bare `PORT`
+/// (every IPv4 interface, as nginx's `listen 8080` and Go's `:8080`), or `localhost:PORT`
+/// (127.0.0.1). No other host name: a listener is not worth a DNS lookup at load time.
+pub fn listen_addr(text: &str) -> Option<SocketAddr> {
+    let s = text.trim();
+    if let Ok(addr) = s.parse() {
+        return Some(addr);
+    }
+    let (host, port) = s.rsplit_once(':').unwrap_or(("", s));
+    let port: u16 = port.parse().ok()?;
+    let ip = match host {
+        "" => std::net::Ipv4Addr::UNSPECIFIED,
+        h if h.eq_ignore_ascii_case("localhost") => std::net::Ipv4Addr::LOCALHOST,
+        _ => return None,
+    };
+    Some(SocketAddr::from((ip, port)))
 }
 
 /// A bare address is a one-host network: `10.0.0.7` is `10.0.0.7/32`.

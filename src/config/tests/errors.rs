@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use super::super::load;
-use super::{assert_err, lines, with_limit};
+use super::{assert_err, lines, ok, with_limit};
 
 // ---- what serde-saphyr refuses ----
 
@@ -133,15 +133,26 @@ fn trusted_proxy_not_a_cidr() {
 }
 
 #[test]
-fn listen_not_a_socket_address() {
-    let yaml = lines(&["server:", "  listen: localhost:8080"]);
-    assert_err(&yaml, 2, 11, "`localhost:8080` is not a socket address");
+fn listen_not_a_listen_address() {
+    let yaml = lines(&["server:", "  listen: example.com:8080"]);
+    assert_err(&yaml, 2, 11, "`example.com:8080` is not a listen address");
 }
 
 #[test]
-fn admin_not_a_socket_address() {
-    let yaml = lines(&["server:", "  admin: 9090"]);
-    assert_err(&yaml, 2, 10, "`9090` is not a socket address");
+fn admin_not_a_listen_address() {
+    let yaml = lines(&["server:", "  admin: 99999"]);
+    assert_err(&yaml, 2, 10, "`99999` is not a listen address");
+}
+
+/// As nginx (`listen 8080`) and Go (`:8080`) spell them, and localhost.
+#[test]
+fn listen_addresses_as_operators_write_them() {
+    let yaml = lines(&["server:", "  listen: ':8080'", "  admin: localhost:9191"]);
+    let cfg = ok(&yaml);
+    assert_eq!(cfg.server.listen.to_string(), "0.0.0.0:8080");
+    assert_eq!(cfg.server.admin.to_string(), "127.0.0.1:9191");
+    let yaml = lines(&["server:", "  listen: 8081"]);
+    assert_eq!(ok(&yaml).server.listen.to_string(), "0.0.0.0:8081");
 }
 
 #[test]
