@@ -10,22 +10,33 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::algorithm::Micros;
 
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
-    /// Monotonic microseconds since an arbitrary epoch.
+    /// Monotonic microseconds since an epoch (for [`TokioClock`], about 1970).
     fn now(&self) -> Micros;
 }
 
 pub type SharedClock = Arc<dyn Clock>;
 
-/// Monotonic clock on `tokio::time::Instant` (follows a paused test runtime).
+/// Monotonic clock on `tokio::time::Instant` (follows a paused test runtime), counted from the
+/// wall-clock time it was created at: windows (`fixed_window`, `sliding_window`) then start on
+/// the wall clock's boundaries (a `1m` window at every whole minute, a `1d` one at midnight
+/// UTC) as operators expect and as global limits' windows do on Redis's clock, while the
+/// clock itself never jumps with the system time.
 #[derive(Debug)]
 pub struct TokioClock {
     start: tokio::time::Instant,
+    /// Microseconds since 1970 at `start`.
+    epoch: Micros,
 }
 
 impl TokioClock {
     pub fn new() -> Self {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .and_then(|d| u64::try_from(d.as_micros()).ok());
         Self {
             start: tokio::time::Instant::now(),
+            epoch: wall.unwrap_or(EPOCH_OFFSET).max(EPOCH_OFFSET),
         }
     }
 }
@@ -36,13 +47,14 @@ impl Default for TokioClock {
     }
 }
 
-/// Keeps local time far from 0 so no algorithm sees "before the epoch" arithmetic.
+/// The least `now` can be, should the system clock read before 1970: keeps local time far
+/// from 0 so no algorithm sees "before the epoch" arithmetic.
 const EPOCH_OFFSET: Micros = 86_400_000_000;
 
 impl Clock for TokioClock {
     fn now(&self) -> Micros {
-        let e = self.start.elapsed().as_micros();
-        EPOCH_OFFSET + u64::try_from(e).unwrap_or(u64::MAX - EPOCH_OFFSET)
+        let e = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.epoch.saturating_add(e)
     }
 }
 
@@ -65,5 +77,20 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now(&self) -> Micros {
         self.0.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tokio_clock_reads_wall_time_since_1970() {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        let now = TokioClock::new().now();
+        assert!(now.abs_diff(wall) < 60_000_000, "{now} vs {wall}");
     }
 }

@@ -81,7 +81,7 @@ impl Limit {
         metrics: LimitMetrics,
     ) -> Self {
         let algorithm = algorithm_for(config);
-        let window = config.rate.period.as_secs().max(1);
+        let window = policy_window(config.rate.period);
         let policy = HeaderValue::from_str(&format!(
             "\"{}\";q={};w={}",
             config.name, config.rate.count, window
@@ -205,6 +205,19 @@ impl Limit {
         k.push_str(&ws.to_string());
         k
     }
+}
+
+/// `w` of `RateLimit-Policy`: whole seconds, rounded up as Retry-After is (1500ms is 2, 500ms
+/// is 1), so a client pacing itself by `w` never goes faster than the limit.
+fn policy_window(period: Duration) -> u128 {
+    period.as_micros().div_ceil(1_000_000).max(1)
+}
+
+#[cfg(test)]
+#[test]
+fn policy_window_rounds_up_to_whole_seconds() {
+    let w = |ms| policy_window(Duration::from_millis(ms));
+    assert_eq!((w(500), w(1000), w(1500), w(60_000)), (1, 1, 2, 60));
 }
 
 pub fn micros(d: Duration) -> Micros {
