@@ -110,7 +110,8 @@ async fn reload(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 /// The state of one key. `key` is the limit's key as the gateway builds it: its parts' values
-/// joined with `|` (for `key: [ip]`, the client address).
+/// joined with `|` (for `key: [ip]`, the client address), each part as stored or as the raw
+/// value the client sent (see [`crate::key::from_admin`]).
 async fn limit_state(
     State(shared): State<Arc<Shared>>,
     Path((route, limit)): Path<(String, String)>,
@@ -130,7 +131,7 @@ async fn limit_state(
         )
             .into_response();
     };
-    match shared.peek(l, key.as_bytes()).await {
+    match shared.peek(l, &crate::key::from_admin(key)).await {
         Ok((s, store)) => Json(json!({
             "store": store,
             "route": route,

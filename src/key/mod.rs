@@ -200,6 +200,37 @@ fn form_decoded(raw: &[u8]) -> impl Iterator<Item = u8> + '_ {
     })
 }
 
+/// A key as an operator types it into the admin API's `?key=`, in the form the gateway stores
+/// it. Each `|`-separated part is taken as already stored when it could be (printable ASCII
+/// without braces, and not over [`MAX_PART_LEN`] unless it holds an escape); otherwise it is a
+/// raw value (`alice smith`, a long API key) and is escaped or hashed as a request's would be.
+/// Only a raw value that contains `%` or `|` must be given in its stored form.
+pub fn from_admin(given: &str) -> Vec<u8> {
+    // `on_missing: ip`'s fallback key, whose space is its own (values have theirs escaped).
+    if given
+        .strip_prefix("ip ")
+        .is_some_and(|ip| ip.parse::<IpAddr>().is_ok())
+    {
+        return given.as_bytes().to_vec();
+    }
+    let mut out = Vec::with_capacity(given.len());
+    for (i, part) in given.as_bytes().split(|&b| b == b'|').enumerate() {
+        if i > 0 {
+            out.push(b'|');
+        }
+        let stored_form = part
+            .iter()
+            .all(|&b| matches!(b, 0x21..=0x7e) && b != b'{' && b != b'}')
+            && (part.len() <= MAX_PART_LEN || part.contains(&b'%'));
+        if stored_form {
+            out.extend_from_slice(part);
+        } else {
+            push_escaped(&mut out, part);
+        }
+    }
+    out
+}
+
 fn push_escaped(out: &mut Vec<u8>, value: &[u8]) {
     if value.len() > MAX_PART_LEN {
         let digest = Sha256::digest(value);
@@ -412,5 +443,27 @@ mod tests {
         );
         let (_, k2) = build(&spec, &parts(&uri, &h));
         assert_ne!(k1, k2);
+    }
+
+    #[test]
+    fn the_admin_api_takes_raw_values_and_stored_keys_alike() {
+        use super::from_admin;
+        let stored = |v: &[u8]| {
+            let mut out = Vec::new();
+            super::push_escaped(&mut out, v);
+            out
+        };
+        assert_eq!(from_admin("127.0.0.1"), b"127.0.0.1");
+        assert_eq!(from_admin("alice smith"), stored(b"alice smith"));
+        assert_eq!(from_admin("alice%20smith"), b"alice%20smith");
+        let long = "k".repeat(100);
+        assert_eq!(from_admin(&long), stored(long.as_bytes()));
+        assert!(from_admin(&long).starts_with(b"~"));
+        // on_missing: ip's fallback key, and a value that only looks like it.
+        assert_eq!(from_admin("ip 10.0.0.7"), b"ip 10.0.0.7");
+        assert_eq!(from_admin("ip alice"), stored(b"ip alice"));
+        let mut two = b"1.2.3.4|".to_vec();
+        two.extend(stored("é".as_bytes()));
+        assert_eq!(from_admin("1.2.3.4|é"), two);
     }
 }
