@@ -153,7 +153,7 @@ impl Shared {
         let now = self.proxy.clock.now();
         let rt = self.proxy.runtime.load_full();
         // An eventual limit is decided here, on counts synced with Redis: its state is this
-        // instance's view of them (the strict key in Redis is never written for it).
+        // instance's view of them (what Redis holds may be ahead by the others' unsynced units).
         if let Some(ev) = &limit.eventual {
             return Ok((ev.peek(&limit.algorithm, key, now), "eventual"));
         }

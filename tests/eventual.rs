@@ -361,3 +361,51 @@ async fn gcra_eventual_shares_one_tat_through_redis() {
         assert!(retry > 8_000 && retry <= 8_641, "Retry-After {retry}");
     }
 }
+
+/// Units held back through an outage are charged when Redis is back, but never past where an
+/// admission could leave the TAT (now + tau): a client that kept to the rate during the outage
+/// is not locked out for the outage's length afterwards.
+#[tokio::test]
+async fn gcra_units_held_through_an_outage_never_push_the_tat_past_a_full_burst() {
+    let mut redis = RedisServer::start();
+    let up = Upstream::start().await;
+    // T = 10 ms, burst 10: tau = 100 ms.
+    let yaml = cfg(&redis.url(), "gout", "gcra", "100/1s", "50ms", &up.url()).replace(
+        "        consistency: eventual",
+        "        burst: 10\n        consistency: eventual",
+    );
+    let g = Gateway::start(&yaml).await;
+    let c = client();
+    assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+    redis.stop();
+    // About 80 requests a second for a second: each admitted, ~80 units held back.
+    let start = Instant::now();
+    let mut ok = 0;
+    for i in 0..80u32 {
+        tokio::time::sleep_until((start + Duration::from_micros(12_500) * i).into()).await;
+        ok += usize::from(c.get(g.url("/")).send().await.unwrap().status() == 200);
+    }
+    assert!(
+        ok >= 60,
+        "kept to the rate during the outage: {ok} of 80 admitted"
+    );
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let ahead = loop {
+        let time = redis.cli(&["TIME"]);
+        let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+        let now_us = parts.next().unwrap() * 1_000_000 + parts.next().unwrap();
+        if let Some(t) = tat(&redis, "gout") {
+            break t.saturating_sub(now_us);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the held units never reached Redis"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        ahead <= 100_000,
+        "TAT {ahead} µs ahead: more than tau (100 ms)"
+    );
+}

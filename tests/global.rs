@@ -376,6 +376,37 @@ async fn redis_down_fails_open_or_closed_without_a_timeout_storm_and_recovers_by
     .await;
 }
 
+/// Redis down and `on_error: deny`: the enforced global limit answers 503, but a route whose
+/// only global limit is a shadow one is served, since a shadow limit never changes what the
+/// client gets.
+#[tokio::test]
+async fn a_shadow_limit_does_not_fail_closed_when_redis_is_down() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let up = Upstream::start().await;
+    let shadow = "      - name: s\n        key: [ip]\n        rate: 1/1d\n        shadow: true\n";
+    let enforced = "      - name: e\n        key: [ip]\n        rate: 100/1d\n";
+    let routes = format!(
+        "  - name: shadowed\n    match: {{ path: /s }}\n    upstream: {u}\n    limits:\n{shadow}  - name: enforced\n    match: {{ path: /e }}\n    upstream: {u}\n    limits:\n{enforced}",
+        u = up.url()
+    );
+    let g = Gateway::start(&cfg_timeout(
+        &format!("url: redis://127.0.0.1:{port}"),
+        "deny",
+        "50ms",
+        &routes,
+    ))
+    .await;
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(c.get(g.url("/s")).send().await.unwrap().status(), 200);
+    }
+    assert_eq!(c.get(g.url("/e")).send().await.unwrap().status(), 503);
+}
+
 #[tokio::test]
 async fn the_gateway_starts_and_serves_when_redis_is_down_at_startup() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -420,11 +420,14 @@ impl EventualStore {
                 c.lead = 0;
                 if let Algorithm::Gcra(g) = algorithm {
                     // totals.0 is Redis's TAT with this push in it. Units admitted here since
-                    // the push was taken go back on top, as sync_gcra.lua would charge them;
-                    // and a TAT is never moved back (that would give budget back).
+                    // the push was taken go back on top, as sync_gcra.lua would charge them
+                    // (capped as it caps them, at now + tau); and a TAT is never moved back
+                    // (that would give budget back).
                     c.own_curr -= item.push_curr.min(c.own_curr);
                     let learned = if c.own_curr > 0 {
-                        totals.0.max(server_now) + c.own_curr.saturating_mul(g.emission_interval())
+                        (totals.0.max(server_now)
+                            + c.own_curr.saturating_mul(g.emission_interval()))
+                        .min(server_now + g.tau())
                     } else {
                         totals.0
                     };

@@ -160,7 +160,7 @@ impl Limit {
                 let key =
                     redis::redis_keys(&self.redis_key(&item.key), &self.algorithm).swap_remove(0);
                 redis
-                    .sync_gcra(key, item.push_curr, g.emission_interval())
+                    .sync_gcra(key, item.push_curr, (g.emission_interval(), g.tau()))
                     .await
                     .map(|(tat, now)| (tat, 0, now))
             }
@@ -632,7 +632,17 @@ impl LimitSet {
             Some(redis) => {
                 let (a, b) =
                     tokio::join!(redis.decide(&enforced, None), redis.decide(&shadows, None));
-                a.and_then(|a| b.map(|b| (a, b)))
+                // A shadow limit never changes what the client gets: its call failing is
+                // counted and leaves the shadow limits undecided (uncounted), and the request
+                // is decided by the enforced limits alone (no 503, no fallback charge).
+                let b = b.unwrap_or_else(|e| {
+                    cx.metrics.redis_error(e.kind());
+                    redis::Decision {
+                        admitted: true,
+                        per_limit: Vec::new(),
+                    }
+                });
+                a.map(|a| (a, b))
             }
             None => Err(redis::RedisError::Unavailable),
         };
@@ -689,7 +699,11 @@ impl LimitSet {
             }
             Err(e) => {
                 cx.metrics.redis_error(e.kind());
-                let first_global = to_redis.first().map_or(0, |s| s.0);
+                // The limit named in the 503: an enforced one (only their call fails here).
+                let first_global = to_redis
+                    .iter()
+                    .find(|s| !self.limits[s.0].shadow)
+                    .map_or(0, |s| s.0);
                 if cx.on_error == OnError::Deny {
                     tracing::warn!(error = %e, "redis unavailable: on_error deny");
                     return Verdict::Unavailable {

@@ -591,12 +591,12 @@ impl RedisStore {
 
     /// Eventual consistency for a gcra limit (`sync_gcra.lua`): adds `units` admitted on this
     /// instance to the shared TAT at `key` (one emission `interval` each) and returns the TAT
-    /// and the server time.
+    /// and the server time. The TAT is capped at now + `tau`, where no admission can leave it.
     pub async fn sync_gcra(
         &self,
         key: String,
         units: u64,
-        interval: Micros,
+        (interval, tau): (Micros, Micros),
     ) -> Result<(Micros, Micros), RedisError> {
         self.inner.check_breaker()?;
         let arg = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -605,7 +605,7 @@ impl RedisStore {
             .eval(
                 &self.inner.scripts.sync_gcra,
                 vec![key],
-                vec![arg(units), arg(interval)],
+                vec![arg(units), arg(interval), arg(tau)],
             )
             .await?;
         match reply[..] {
