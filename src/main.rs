@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use tollgate::app::{App, AppError, Options};
+use tollgate::config::Listener;
 
 /// Large key tables on transparent huge pages (see `tollgate::alloc`).
 #[global_allocator]
@@ -42,11 +43,13 @@ struct RunArgs {
     /// The routes file.
     #[arg(long, default_value = "routes.yaml")]
     config: PathBuf,
-    /// Proxy listener address (overrides server.listen): IP:PORT, :PORT, PORT or localhost:PORT.
-    #[arg(long, value_parser = listen_arg)]
+    /// Proxy listener address (overrides server.listen): IP:PORT, :PORT or PORT (every
+    /// interface), localhost:PORT.
+    #[arg(long, value_parser = |s: &str| listen_arg(s, Listener::Proxy))]
     listen: Option<SocketAddr>,
-    /// Admin listener address (overrides server.admin), written as --listen.
-    #[arg(long, value_parser = listen_arg)]
+    /// Admin listener address (overrides server.admin): as --listen, but :PORT and PORT are
+    /// loopback.
+    #[arg(long, value_parser = |s: &str| listen_arg(s, Listener::Admin))]
     admin: Option<SocketAddr>,
     /// Log line format (stderr).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -70,8 +73,8 @@ fn main() -> ExitCode {
 }
 
 /// `--listen` / `--admin` take what `server.listen` takes.
-fn listen_arg(s: &str) -> Result<SocketAddr, String> {
-    tollgate::config::listen_addr(s).ok_or_else(|| {
+fn listen_arg(s: &str, listener: Listener) -> Result<SocketAddr, String> {
+    tollgate::config::listen_addr(s, listener).ok_or_else(|| {
         format!("`{s}` is not a listen address: write IP:PORT, :PORT, PORT or localhost:PORT")
     })
 }

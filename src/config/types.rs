@@ -61,7 +61,9 @@ pub struct ServerConfig {
 /// so a config that exists holds a usable certificate.
 #[derive(Clone, Debug, Serialize)]
 pub struct ListenerTls {
+    #[serde(serialize_with = "serialize_path")]
     pub cert: PathBuf,
+    #[serde(serialize_with = "serialize_path")]
     pub key: PathBuf,
     /// Built from the two files: the chain, its key, ALPN `h2` and `http/1.1`.
     #[serde(skip)]
@@ -86,7 +88,19 @@ pub struct UpstreamCa {
 
 impl Serialize for UpstreamCa {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.path.serialize(s)
+        serialize_path(&self.path, s)
+    }
+}
+
+/// What `/admin/config` shows instead of a secret.
+pub const REDACTED: &str = "<redacted>";
+
+/// Absolute: the path was resolved against the config file's directory, so shown relative it
+/// would resolve twice in a file saved from `/admin/config` next to the original.
+fn serialize_path<S: Serializer>(path: &std::path::Path, s: S) -> Result<S::Ok, S::Error> {
+    match std::path::absolute(path) {
+        Ok(abs) => abs.serialize(s),
+        Err(_) => path.serialize(s),
     }
 }
 
@@ -342,7 +356,7 @@ pub(super) fn serialize_duration<S: Serializer>(d: &Duration, s: S) -> Result<S:
 
 fn serialize_secret<S: Serializer>(secret: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
     match secret {
-        Some(_) => s.serialize_some("<redacted>"),
+        Some(_) => s.serialize_some(REDACTED),
         None => s.serialize_none(),
     }
 }
@@ -388,7 +402,7 @@ pub(super) fn redact_url(url: &str) -> String {
     };
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{scheme}://<redacted>{}", &rest[at..]),
+        Some(at) => format!("{scheme}://{REDACTED}{}", &rest[at..]),
         None => url.to_owned(),
     }
 }

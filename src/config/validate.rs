@@ -45,8 +45,16 @@ pub(super) fn config(raw: RawConfig, base: &Path) -> Checked<Config> {
 
 fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
     let defaults = ServerConfig::default();
-    let listen = raw.listen.as_ref().map(socket_addr).transpose()?;
-    let admin = raw.admin.as_ref().map(socket_addr).transpose()?;
+    let listen = raw
+        .listen
+        .as_ref()
+        .map(|t| socket_addr(t, Listener::Proxy))
+        .transpose()?;
+    let admin = raw
+        .admin
+        .as_ref()
+        .map(|t| socket_addr(t, Listener::Admin))
+        .transpose()?;
     let (listen, admin) = (
         listen.unwrap_or(defaults.listen),
         admin.unwrap_or(defaults.admin),
@@ -145,8 +153,8 @@ fn upstream_ca(t: &Text, base: &Path) -> Checked<UpstreamCa> {
     Ok(UpstreamCa { path, certs })
 }
 
-fn socket_addr(t: &Text) -> Checked<SocketAddr> {
-    listen_addr(&t.value).ok_or_else(|| {
+fn socket_addr(t: &Text, listener: Listener) -> Checked<SocketAddr> {
+    listen_addr(&t.value, listener).ok_or_else(|| {
         Invalid::new(
             at(t),
             format!(
@@ -157,17 +165,31 @@ fn socket_addr(t: &Text) -> Checked<SocketAddr> {
     })
 }
 
+/// Which listener an address is for: a port without a host means every interface for the
+/// proxy, but loopback for the admin listener, whose default is loopback too (its endpoints
+/// are not for the world unless an address says so).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listener {
+    Proxy,
+    Admin,
+}
+
 /// A listener address as operators write it elsewhere: `IP:PORT`, `:PORT` or a bare `PORT`
-/// (every IPv4 interface, as nginx's `listen 8080` and Go's `:8080`), or `localhost:PORT`
-/// (127.0.0.1). No other host name: a listener is not worth a DNS lookup at load time.
-pub fn listen_addr(text: &str) -> Option<SocketAddr> {
+/// (as nginx's `listen 8080` and Go's `:8080`: every IPv4 interface for the proxy, loopback for
+/// the admin listener), or `localhost:PORT` (127.0.0.1). No other host name: a listener is not
+/// worth a DNS lookup at load time.
+pub fn listen_addr(text: &str, listener: Listener) -> Option<SocketAddr> {
     let s = text.trim();
     if let Ok(addr) = s.parse() {
         return Some(addr);
     }
     let (host, port) = s.rsplit_once(':').unwrap_or(("", s));
+    if !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
     let port: u16 = port.parse().ok()?;
     let ip = match host {
+        "" if listener == Listener::Admin => std::net::Ipv4Addr::LOCALHOST,
         "" => std::net::Ipv4Addr::UNSPECIFIED,
         h if h.eq_ignore_ascii_case("localhost") => std::net::Ipv4Addr::LOCALHOST,
         _ => return None,
@@ -195,6 +217,9 @@ fn trusted_proxy(t: &Text) -> Checked<IpNet> {
 /// The token travels in `Authorization: Bearer TOKEN`, so it must be a valid
 /// header value; an empty one would look set while protecting nothing.
 fn admin_token(t: &Text) -> Checked<String> {
+    if t.value.contains(super::types::REDACTED) {
+        return Err(redacted(t));
+    }
     if t.value.is_empty() || !t.value.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(Invalid::new(
             at(t),
@@ -256,7 +281,22 @@ fn redis(raw: Spanned<RawRedis>) -> Checked<RedisConfig> {
     })
 }
 
+/// `/admin/config` shows secrets as a placeholder; a file saved from it must not load with the
+/// placeholder as the secret (a token everyone knows, a Redis user named after it).
+fn redacted(t: &Text) -> Invalid {
+    Invalid::new(
+        at(t),
+        format!(
+            "`{}` is the placeholder /admin/config shows instead of a secret: put the real one back",
+            super::types::REDACTED
+        ),
+    )
+}
+
 fn redis_url(t: &Text) -> Checked<String> {
+    if t.value.contains(super::types::REDACTED) {
+        return Err(redacted(t));
+    }
     let url = t.value.trim();
     let host = url
         .strip_prefix("redis://")

@@ -151,8 +151,17 @@ fn listen_addresses_as_operators_write_them() {
     let cfg = ok(&yaml);
     assert_eq!(cfg.server.listen.to_string(), "0.0.0.0:8080");
     assert_eq!(cfg.server.admin.to_string(), "127.0.0.1:9191");
-    let yaml = lines(&["server:", "  listen: 8081"]);
-    assert_eq!(ok(&yaml).server.listen.to_string(), "0.0.0.0:8081");
+    // A port alone: every interface for the proxy, loopback for the admin listener.
+    let yaml = lines(&["server:", "  listen: 8081", "  admin: ':9192'"]);
+    let cfg = ok(&yaml);
+    assert_eq!(cfg.server.listen.to_string(), "0.0.0.0:8081");
+    assert_eq!(cfg.server.admin.to_string(), "127.0.0.1:9192");
+    assert_err(
+        &lines(&["server:", "  listen: '+80'"]),
+        2,
+        11,
+        "not a listen address",
+    );
 }
 
 #[test]

@@ -521,3 +521,26 @@ fn the_config_as_json_is_a_routes_yaml_that_loads_back_to_itself() {
         .unwrap_or_else(|e| panic!("{e}\n{json:#}"));
     assert_eq!(back, cfg);
 }
+
+/// A file saved from `/admin/config` holds placeholders instead of secrets: loading it is
+/// refused with the position, never run with a token everyone knows.
+#[test]
+fn a_redacted_secret_is_refused_not_taken_as_the_secret() {
+    let yaml = lines(&[
+        "server: {admin_token: s3cret}",
+        "redis: {url: 'redis://:pw@r:6379/0'}",
+        "routes: []",
+    ]);
+    let json = serde_json::to_value(ok(&yaml)).unwrap();
+    let mut no_redis = json.clone();
+    no_redis.as_object_mut().unwrap().remove("redis");
+    let e = super::parse(&no_redis.to_string()).unwrap_err();
+    assert!(e.message.contains("placeholder"), "{e}");
+    let mut no_token = json;
+    no_token["server"]
+        .as_object_mut()
+        .unwrap()
+        .remove("admin_token");
+    let e = super::parse(&no_token.to_string()).unwrap_err();
+    assert!(e.message.contains("put the real one back"), "{e}");
+}
