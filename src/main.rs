@@ -40,9 +40,9 @@ enum Command {
 
 #[derive(clap::Args, Clone)]
 struct RunArgs {
-    /// The routes file.
-    #[arg(long, default_value = "routes.yaml")]
-    config: PathBuf,
+    /// The routes file [default: routes.yaml].
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Proxy listener address (overrides server.listen): IP:PORT, :PORT or PORT (every
     /// interface), localhost:PORT.
     #[arg(long, value_parser = |s: &str| listen_arg(s, Listener::Proxy))]
@@ -51,9 +51,9 @@ struct RunArgs {
     /// loopback.
     #[arg(long, value_parser = |s: &str| listen_arg(s, Listener::Admin))]
     admin: Option<SocketAddr>,
-    /// Log line format (stderr).
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
+    /// Log line format (stderr) [default: text].
+    #[arg(long, value_enum)]
+    log_format: Option<LogFormat>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -66,8 +66,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         // `tollgate --config X check` checks X, not ./routes.yaml.
-        Some(Command::Check { config }) => check(&config.unwrap_or(cli.run.config)),
-        Some(Command::Run(args)) => run(args),
+        // Options may come before the subcommand too (`tollgate --config X check`); given on
+        // both sides, the subcommand's win.
+        Some(Command::Check { config }) => {
+            check(&config.or(cli.run.config).unwrap_or_else(default_config))
+        }
+        Some(Command::Run(args)) => run(RunArgs {
+            config: args.config.or(cli.run.config),
+            listen: args.listen.or(cli.run.listen),
+            admin: args.admin.or(cli.run.admin),
+            log_format: args.log_format.or(cli.run.log_format),
+        }),
         None => run(cli.run),
     }
 }
@@ -77,6 +86,10 @@ fn listen_arg(s: &str, listener: Listener) -> Result<SocketAddr, String> {
     tollgate::config::listen_addr(s, listener).ok_or_else(|| {
         format!("`{s}` is not a listen address: write IP:PORT, :PORT, PORT or localhost:PORT")
     })
+}
+
+fn default_config() -> PathBuf {
+    PathBuf::from("routes.yaml")
 }
 
 fn check(path: &std::path::Path) -> ExitCode {
@@ -107,7 +120,7 @@ fn init_logging(format: LogFormat) {
 }
 
 fn run(args: RunArgs) -> ExitCode {
-    init_logging(args.log_format);
+    init_logging(args.log_format.unwrap_or(LogFormat::Text));
     let rt = match runtime_builder().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -151,7 +164,7 @@ fn runtime_builder() -> tokio::runtime::Builder {
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let app = App::from_file(Options {
-        config_path: Some(args.config),
+        config_path: Some(args.config.unwrap_or_else(default_config)),
         listen: args.listen,
         admin: args.admin,
     })

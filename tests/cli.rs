@@ -103,6 +103,26 @@ fn run_with_a_bad_file_exits_1_without_serving() {
 }
 
 #[test]
+fn config_given_before_run_is_the_file_served() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli5-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.yaml");
+    std::fs::write(&path, "routes: 5\n").unwrap();
+    let out = tollgate()
+        .args(["--config", path.to_str().unwrap(), "run"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("{}:1:", path.display())),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn config_given_before_check_is_the_file_checked() {
     let dir = std::env::temp_dir().join(format!("tollgate-cli4-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
