@@ -84,6 +84,24 @@ impl Counts {
         (self.ws + 2 * period).max(self.tat)
     }
 
+    /// Takes `cost` units at `now` (0: only marks the key for the next sync).
+    fn charge(&mut self, algorithm: &Algorithm, now: Micros, cost: u64) {
+        let p = period(algorithm);
+        let w = now - now % p;
+        if let Algorithm::Gcra(g) = algorithm {
+            // No windows: the units go on this instance's TAT now, and on Redis's at the next
+            // sync.
+            self.ws = self.ws.max(w);
+            let mut s = GcraState { tat: self.tat };
+            g.commit(&mut s, now, cost);
+            self.tat = s.tat;
+        } else {
+            self.roll(w, p);
+        }
+        self.own_curr += cost;
+        self.touched = true;
+    }
+
     /// The algorithm state these counts stand for.
     fn state(&self, algorithm: &Algorithm) -> State {
         match algorithm {
@@ -355,21 +373,47 @@ impl EventualStore {
                 ..Counts::default()
             },
             |c, _| {
-                if let Algorithm::Gcra(g) = algorithm {
-                    // No windows: the units go on this instance's TAT now, and on Redis's at
-                    // the next sync.
-                    c.ws = c.ws.max(w);
-                    let mut s = GcraState { tat: c.tat };
-                    g.commit(&mut s, now, cost);
-                    c.tat = s.tat;
-                } else {
-                    c.roll(w, p);
-                }
-                c.own_curr += cost;
-                c.touched = true;
+                c.charge(algorithm, now, cost);
                 c.expires(p)
             },
         );
+    }
+
+    /// Checks and, when admitted, charges under one take of the key's lock, so requests
+    /// deciding at the same instant cannot each pass on the same units. For a request whose
+    /// only limit is this one (with several, every limit is checked before any is charged).
+    pub fn decide(
+        &self,
+        algorithm: &Algorithm,
+        key: &[u8],
+        local_now: Micros,
+        cost: u64,
+    ) -> Result<Snapshot, Rejection> {
+        let now = self.redis_now(local_now);
+        let p = period(algorithm);
+        let w = now - now % p;
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        let mut verdict = None;
+        shard.update(
+            hash,
+            key,
+            now,
+            || Counts {
+                ws: w,
+                ..Counts::default()
+            },
+            |c, _| {
+                let mut view = *c;
+                view.roll(w, p);
+                let v = algorithm.check(&view.state(algorithm), now, cost);
+                // A rejection is charged nothing but marks the key: it needs fresh totals.
+                c.charge(algorithm, now, if v.is_ok() { cost } else { 0 });
+                verdict = Some(v);
+                c.expires(p)
+            },
+        );
+        verdict.unwrap_or_else(|| algorithm.check(&algorithm.new_state(), now, cost))
     }
 
     /// The keys due for a push/pull, marking them untouched.
@@ -552,5 +596,30 @@ mod tests {
         let items = ev.due(now);
         ev.apply(&alg, &items[0], (0, 0), server, now, now);
         assert_eq!(ev.peek(&alg, b"k", now).remaining, 4);
+    }
+
+    /// Two threads deciding on one key at once never admit more than the bucket holds.
+    #[test]
+    fn simultaneous_decisions_on_one_key_never_share_units() {
+        let alg = Algorithm::Gcra(Gcra::new(Quota {
+            count: 10,
+            period: 86_400_000_000,
+            burst: 10,
+        }));
+        let ev = EventualStore::default();
+        let admitted = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    for _ in 0..2_000 {
+                        if ev.decide(&alg, b"k", 5_000_000, 1).is_ok() {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(admitted.into_inner(), 10);
+        assert_eq!(ev.due(5_000_000)[0].push_curr, 10);
     }
 }

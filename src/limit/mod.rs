@@ -415,6 +415,18 @@ impl LimitSet {
             // One allocation per global decision is small next to its round trip.
             return Box::pin(self.evaluate_global(keys, spans, cx, started)).await;
         }
+        // A request whose only limit is an eventual one: checked and charged at once.
+        if let [(i, s, e)] = *spans
+            && let Some(ev) = &self.limits[i].eventual
+        {
+            let l = &self.limits[i];
+            let v = ev.decide(&l.algorithm, &keys[s..e], cx.now, l.cost);
+            self.tiers.local.inc();
+            self.tiers.local_duration.observe(started.elapsed());
+            let mut results = Results::new();
+            results.push((i, v.map(|snap| (snap, 0))));
+            return self.conclude(&results);
+        }
         // Eventual limits first, checked only: a rejection there needs nothing charged.
         let mut results = self.check_eventual(keys, spans, cx);
         if results
