@@ -82,64 +82,42 @@ fn version_prints_the_crate_version() {
     assert!(String::from_utf8_lossy(&out.stdout).contains(env!("CARGO_PKG_VERSION")));
 }
 
-#[test]
-fn run_with_a_bad_file_exits_1_without_serving() {
-    let dir = std::env::temp_dir().join(format!("tollgate-cli3-{}", std::process::id()));
+/// Runs tollgate with `args`, where `PATH` stands for a file holding a bad config, in that
+/// file's directory; asserts exit 1 and stderr starting with the error's `PATH:1:` position,
+/// the form `check` prints.
+fn assert_bad_file_refused(tag: &str, args: &[&str]) {
+    let dir = std::env::temp_dir().join(format!("tollgate-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("bad.yaml");
     std::fs::write(&path, "routes: 5\n").unwrap();
-    let out = tollgate()
-        .args(["run", "--config", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    // The same form as `check`'s, from the line's first character.
+    let file = path.to_str().unwrap();
+    let args: Vec<&str> = args
+        .iter()
+        .map(|a| if *a == "PATH" { file } else { a })
+        .collect();
+    let out = tollgate().args(&args).current_dir(&dir).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{args:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.starts_with(&format!("{}:1:", path.display())),
-        "{stderr}"
+        "{args:?}: {stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn run_with_a_bad_file_exits_1_without_serving() {
+    assert_bad_file_refused("cli3", &["run", "--config", "PATH"]);
 }
 
 #[test]
 fn config_given_before_run_is_the_file_served() {
-    let dir = std::env::temp_dir().join(format!("tollgate-cli5-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.yaml");
-    std::fs::write(&path, "routes: 5\n").unwrap();
-    let out = tollgate()
-        .args(["--config", path.to_str().unwrap(), "run"])
-        .current_dir(&dir)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.starts_with(&format!("{}:1:", path.display())),
-        "{stderr}"
-    );
-    let _ = std::fs::remove_dir_all(&dir);
+    assert_bad_file_refused("cli5", &["--config", "PATH", "run"]);
 }
 
 #[test]
 fn config_given_before_check_is_the_file_checked() {
-    let dir = std::env::temp_dir().join(format!("tollgate-cli4-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.yaml");
-    std::fs::write(&path, "routes: 5\n").unwrap();
-    let out = tollgate()
-        .args(["--config", path.to_str().unwrap(), "check"])
-        .current_dir(&dir)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.starts_with(&format!("{}:1:", path.display())),
-        "{stderr}"
-    );
-    let _ = std::fs::remove_dir_all(&dir);
+    assert_bad_file_refused("cli4", &["--config", "PATH", "check"]);
 }
 
 #[test]

@@ -360,23 +360,7 @@ impl EventualStore {
 
     /// Marks `key` for the next sync (a rejection too: the instance needs fresh totals).
     pub fn touch(&self, algorithm: &Algorithm, key: &[u8], now: Micros, cost: u64) {
-        let p = period(algorithm);
-        let w = now - now % p;
-        let hash = self.map.hash(key);
-        let mut shard = self.map.lock(hash);
-        shard.update(
-            hash,
-            key,
-            now,
-            || Counts {
-                ws: w,
-                ..Counts::default()
-            },
-            |c, _| {
-                c.charge(algorithm, now, cost);
-                c.expires(p)
-            },
-        );
+        self.with_counts(algorithm, key, now, |c| c.charge(algorithm, now, cost));
     }
 
     /// Checks and, when admitted, charges under one take of the key's lock, so requests
@@ -391,29 +375,44 @@ impl EventualStore {
     ) -> Result<Snapshot, Rejection> {
         let now = self.redis_now(local_now);
         let p = period(algorithm);
-        let w = now - now % p;
+        self.with_counts(algorithm, key, now, |c| {
+            let mut view = *c;
+            view.roll(now - now % p, p);
+            let v = algorithm.check(&view.state(algorithm), now, cost);
+            // A rejection is charged nothing but marks the key: it needs fresh totals.
+            c.charge(algorithm, now, if v.is_ok() { cost } else { 0 });
+            v
+        })
+    }
+
+    /// Runs `f` on `key`'s counts (fresh ones when absent or expired) under its shard's lock,
+    /// then keeps the entry as long as the counts need.
+    fn with_counts<R>(
+        &self,
+        algorithm: &Algorithm,
+        key: &[u8],
+        now: Micros,
+        f: impl FnOnce(&mut Counts) -> R,
+    ) -> R {
+        let p = period(algorithm);
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
-        let mut verdict = None;
+        let mut out = None;
         shard.update(
             hash,
             key,
             now,
             || Counts {
-                ws: w,
+                ws: now - now % p,
                 ..Counts::default()
             },
             |c, _| {
-                let mut view = *c;
-                view.roll(w, p);
-                let v = algorithm.check(&view.state(algorithm), now, cost);
-                // A rejection is charged nothing but marks the key: it needs fresh totals.
-                c.charge(algorithm, now, if v.is_ok() { cost } else { 0 });
-                verdict = Some(v);
+                out = Some(f(c));
                 c.expires(p)
             },
         );
-        verdict.unwrap_or_else(|| algorithm.check(&algorithm.new_state(), now, cost))
+        // Not input-dependent: `Shard::update` calls its closure exactly once on every path.
+        out.expect("Shard::update calls its closure")
     }
 
     /// The keys due for a push/pull, marking them untouched.
