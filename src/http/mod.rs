@@ -28,7 +28,11 @@ pub fn builder() -> auto::Builder<TokioExecutor> {
     b.http1()
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30))
-        .keep_alive(true);
+        .keep_alive(true)
+        // A client may shut its write side once the request is sent (`nc -N`, some HTTP/1.0
+        // tools) and still wait for the answer; nginx and the fast path answer it. hyper's
+        // default dropped such a connection, request and all, at the EOF.
+        .half_close(true);
     b.http2().timer(TokioTimer::new());
     b
 }

@@ -10,6 +10,10 @@ mod client;
 pub(crate) mod pool;
 
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use http::header::HOST;
@@ -82,7 +86,18 @@ pub async fn forward(
     }
     parts.uri = uri;
     parts.version = Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, body.boxed());
+    // Only a body that is coming can fail; an empty one costs nothing to watch.
+    let client_body_failed = Arc::new(AtomicBool::new(false));
+    let body = if http_body::Body::is_end_stream(&body) {
+        body.boxed()
+    } else {
+        ClientBody {
+            inner: body,
+            failed: Arc::clone(&client_body_failed),
+        }
+        .boxed()
+    };
+    let upstream_req = Request::from_parts(parts, body);
 
     let started = Instant::now();
     let result = if plain {
@@ -120,6 +135,12 @@ pub async fn forward(
             parts.version = client_version;
             Response::from_parts(parts, body.boxed())
         }
+        // The client sent a body it could not finish (a malformed chunk): its fault, not the
+        // upstream's, and answered as the fast path answers it.
+        Ok(Err(e)) if client_body_failed.load(Ordering::Relaxed) => {
+            tracing::debug!(route = %route.name, error = %e, "malformed request body");
+            response::bad_request("malformed request body")
+        }
         Ok(Err(e)) => {
             tracing::warn!(route = %route.name, error = %e, "upstream request failed");
             response::bad_gateway(&route.name)
@@ -128,6 +149,38 @@ pub async fn forward(
             tracing::warn!(route = %route.name, timeout = ?route.timeout, "upstream timed out");
             response::gateway_timeout(&route.name)
         }
+    }
+}
+
+/// The client's request body, noting whether reading it failed, so that an exchange it broke
+/// is answered 400 (the client's fault) rather than 502.
+struct ClientBody {
+    inner: Incoming,
+    failed: Arc<AtomicBool>,
+}
+
+impl http_body::Body for ClientBody {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Err(_))) = &polled {
+            this.failed.store(true, Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -64,6 +64,9 @@ enum State {
     DataLf,
     /// Start of a trailer line, or the CR of the final empty line.
     TrailerStart,
+    /// A trailer field's name, up to its colon.
+    TrailerName,
+    /// A trailer field's value, up to CR.
     Trailer,
     TrailerLf,
     EndLf,
@@ -126,9 +129,13 @@ impl Chunked {
                 (State::DataCr, b'\r') => State::DataLf,
                 (State::DataLf, b'\n') => State::SizeStart,
                 (State::TrailerStart, b'\r') => State::EndLf,
-                (State::TrailerStart | State::Trailer, b'\n') => return Err(BadChunk),
+                // A trailer is a field line (`name: value`), as hyper's parser requires: one
+                // that is not would reach the upstream for it to make sense of.
+                (State::TrailerStart | State::TrailerName, _) if is_tchar(b) => State::TrailerName,
+                (State::TrailerName, b':') => State::Trailer,
                 (State::Trailer, b'\r') => State::TrailerLf,
-                (State::TrailerStart | State::Trailer, _) => State::Trailer,
+                (State::Trailer, b'\t') => State::Trailer,
+                (State::Trailer, _) if b >= 0x20 && b != 0x7f => State::Trailer,
                 (State::TrailerLf, b'\n') => State::TrailerStart,
                 (State::EndLf, b'\n') => {
                     self.state = State::Done;
@@ -140,6 +147,11 @@ impl Chunked {
         }
         Ok(i)
     }
+}
+
+/// RFC 9110 `tchar`: what a field name is made of.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 fn hex(b: u8) -> Option<u8> {
@@ -275,5 +287,19 @@ mod tests {
             prop_assert_eq!(c.scan(&body[..cut]), Ok(cut));
             prop_assert!(!c.is_done());
         }
+    }
+
+    #[test]
+    fn a_trailer_must_be_a_field_line() {
+        for bad in [
+            &b"0\r\nT8 v\r\n\r\n"[..],
+            b"0\r\n:T: v\r\n\r\n",
+            b"0\r\nT v: w\r\n\r\n",
+            b"0\r\nT: a\x01b\r\n\r\n",
+        ] {
+            assert_eq!(Chunked::new().scan(bad), Err(BadChunk), "{bad:?}");
+        }
+        let good = b"0\r\nX-Sum: 1\t2\r\nEmpty:\r\n\r\n";
+        assert_eq!(Chunked::new().scan(good), Ok(good.len()));
     }
 }
