@@ -116,11 +116,11 @@ declare -A RB_PIPELINE=([rb-evalsha]=1 [rb-evalsha-p16]=16)
 HOT_RATE=100 HOT_BURST=100
 # The ceiling's arguments: decide.lua's ARGV (see its header comment): now
 # (-1 = Redis's TIME), TTL floor (ms), n = 1 limit, then that limit: algo 1
-# (gcra), count, period (µs), burst, cost, max_delay — tollgate admit's limit
-# (1000000/1s, burst 1000000, cost 1, reject). One key, as tollgate global
+# (gcra), count, period (µs), burst, cost, max_delay, shadow — tollgate admit's
+# limit (1000000/1s, burst 1000000, cost 1, reject, enforced). One key, as tollgate global
 # admit's `ip` key is one key for every wrk connection (all from 127.0.0.1).
 RB_KEY='tg:{bench/ceiling/127.0.0.1}:gcra'
-RB_ARGV=(-1 1 1 1 1000000 1000000 1000000 1 0)
+RB_ARGV=(-1 1 1 1 1000000 1000000 1000000 1 0 0)
 
 log() { printf '[load.sh %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 2; }

@@ -9,7 +9,7 @@
 # EVALSHA is what bounds global decisions per second. For each algorithm this runs
 # redis-benchmark (50 connections, unpipelined, on core 1) against a redis-server alone on
 # core 0, sending EVALSHA of decide.lua with the arguments tollgate sends for one limit
-# (1000000 per second, burst 1000000, cost 1, so every call admits and writes), and reads
+# (1000000 per second, burst 1000000, cost 1, enforced, so every call admits and writes), and reads
 # `usec_per_call` of EVALSHA from INFO commandstats: the time inside the command (the Lua and
 # the commands it runs), without the network. Rounds are interleaved; medians are printed.
 set -Eeuo pipefail
@@ -55,7 +55,7 @@ for round in $(seq "$ROUNDS"); do
             cli config resetstat >/dev/null
             # shellcheck disable=SC2086 # KEYS holds the key count and the keys
             out=$(taskset -c 1 redis-benchmark -p "$PORT" -c 50 -n "$N" -q \
-                evalsha "${SHA[$v]}" ${KEYS[$a]} -1 1 1 "${CODE[$a]}" 1000000 1000000 1000000 1 0 2>&1 | tr '\r' '\n' | tail -1)
+                evalsha "${SHA[$v]}" ${KEYS[$a]} -1 1 1 "${CODE[$a]}" 1000000 1000000 1000000 1 0 0 2>&1 | tr '\r' '\n' | tail -1)
             us=$(cli info commandstats | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
             rps=$(sed -n 's/.*: \([0-9.]*\) requests per second.*/\1/p' <<<"$out")
             [[ -n "$us" && -n "$rps" ]] || { echo "script.sh: no figure for $a ($v): $out" >&2; exit 1; }

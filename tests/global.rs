@@ -595,3 +595,61 @@ async fn a_concurrent_flood_on_one_key_asks_redis_about_once_per_emission_interv
         "{redis_calls} Redis calls for {limited} rejections"
     );
 }
+
+/// Shadow and enforced global limits are one script call per request, and a shadow limit is
+/// charged exactly when the request goes through (as in process): a request Redis rejects on
+/// the enforced limit leaves the shadow one untouched.
+#[tokio::test]
+async fn shadow_and_enforced_limits_are_one_call_and_charged_together() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let limits = "      - name: per-user
+        key: [header:x-user]
+        rate: 1/1h
+        burst: 1
+      - name: shadow-wide
+        key: [literal:all]
+        algorithm: fixed_window
+        rate: 10/1h
+        shadow: true
+";
+    let yaml = on_shared_redis(&redis, "sh", &up, limits);
+    let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+    // EVALSHA calls that ran (a first NOSCRIPT, answered by loading the script, is not one).
+    let calls = || -> u64 {
+        let stats = redis.cli(&["INFO", "commandstats"]);
+        let line = stats
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .unwrap_or("");
+        let field = |name: &str| -> u64 {
+            line.split([':', ','])
+                .find_map(|kv| kv.strip_prefix(name)?.parse().ok())
+                .unwrap_or(0)
+        };
+        field("calls=") - field("failed_calls=")
+    };
+    let before = calls();
+    let c = client();
+    let r = c
+        .get(a.url("/"))
+        .header("x-user", "u")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // B has learned nothing about `u`: Redis itself rejects this one.
+    let r = c
+        .get(b.url("/"))
+        .header("x-user", "u")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(calls() - before, 2, "one script call per request");
+    let s: serde_json::Value = a.admin_json("/admin/limits/sh/shadow-wide?key=all").await;
+    assert_eq!(
+        s["remaining"], 9,
+        "only the admitted request charged the shadow limit: {s}"
+    );
+}

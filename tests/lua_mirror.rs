@@ -236,11 +236,12 @@ fn limit_set() -> impl Strategy<Value = Vec<(u8, Quota, Micros)>> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
-    /// All limits are checked, and charged only together: a request one limit rejects
-    /// leaves every key byte for byte as it was.
+    /// All limits are checked, and charged only together: a request one enforced limit
+    /// rejects leaves every key byte for byte as it was. A shadow limit's rejection stops
+    /// nothing, and it is charged (when it admits) exactly when the others are, as in process.
     #[test]
     fn several_limits_are_all_or_nothing(
-        (set, start, steps) in limit_set().prop_flat_map(|set| {
+        (set, start, steps, shadow) in limit_set().prop_flat_map(|set| {
             let n = set.len();
             (
                 Just(set),
@@ -249,6 +250,7 @@ proptest! {
                     (prop_oneof![3 => 0..=300u64, 1 => 0..=3_000u64], prop::collection::vec(prop_oneof![3 => Just(1u64), 1 => 1..=6u64], n)),
                     1..=150,
                 ),
+                prop::collection::vec(prop::bool::weighted(0.3), n),
             )
         })
     ) {
@@ -280,16 +282,25 @@ proptest! {
                     .zip(&states)
                     .map(|(l, s)| rust_verdict(l.algorithm, s, now, l.cost, l.max_delay))
                     .collect();
-                let all = expected.iter().all(LimitVerdict::is_admitted);
+                let all = expected
+                    .iter()
+                    .zip(&shadow)
+                    .all(|(v, &sh)| sh || v.is_admitted());
                 if all {
-                    for (l, s) in limits.iter().zip(states.iter_mut()) {
-                        l.algorithm.commit(s, now, l.cost);
+                    for ((l, s), v) in limits.iter().zip(states.iter_mut()).zip(&expected) {
+                        if v.is_admitted() {
+                            l.algorithm.commit(s, now, l.cost);
+                        }
                     }
                 } else {
                     rejected += 1;
                 }
                 let before = dump_all(&sh.raw, &all_keys).await;
-                let got = sh.store.decide(&limits, Some(now)).await.expect("decide");
+                let got = sh
+                    .store
+                    .decide_with_shadows(&limits, &shadow, Some(now))
+                    .await
+                    .expect("decide");
                 prop_assert_eq!(got.admitted, all, "step {} at {}", i, now);
                 prop_assert_eq!(&got.per_limit, &expected, "step {} at {}", i, now);
                 if !all {

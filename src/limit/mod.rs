@@ -615,60 +615,50 @@ impl LimitSet {
             self.tiers.local_duration.observe(started.elapsed());
             return self.conclude(&results);
         }
-        // 3. Redis: enforced limits in one all-or-nothing call; shadow ones in their own, so
-        //    their rejections cannot block the others' commit.
+        // 3. Redis: every global limit in one call; the script commits only if every enforced
+        //    one admits, and a shadow limit's rejection blocks nothing.
         let redis_keys: SmallVec<[String; 4]> = to_redis
             .iter()
             .map(|&(i, s, e)| self.limits[i].redis_key(&keys[s..e]))
             .collect();
-        // Each call's limits, with the span of the key they were asked about.
-        let split = |shadow: bool| -> (SmallVec<[Span; 4]>, Vec<GlobalLimit<'_>>) {
-            to_redis
-                .iter()
-                .zip(&redis_keys)
-                .filter(|(sp, _)| self.limits[sp.0].shadow == shadow)
-                .map(|(&sp, k)| {
-                    let l = &self.limits[sp.0];
-                    let g = GlobalLimit {
-                        algorithm: &l.algorithm,
-                        key: k,
-                        cost: l.cost,
-                        max_delay: delay_of(l),
-                    };
-                    (sp, g)
-                })
-                .unzip()
-        };
-        let ((enforced_spans, enforced), (shadow_spans, shadows)) = (split(false), split(true));
+        let globals: Vec<GlobalLimit<'_>> = to_redis
+            .iter()
+            .zip(&redis_keys)
+            .map(|(&(i, _, _), k)| {
+                let l = &self.limits[i];
+                GlobalLimit {
+                    algorithm: &l.algorithm,
+                    key: k,
+                    cost: l.cost,
+                    max_delay: delay_of(l),
+                }
+            })
+            .collect();
+        let shadow: SmallVec<[bool; 4]> =
+            to_redis.iter().map(|sp| self.limits[sp.0].shadow).collect();
         let answer = match cx.redis {
-            Some(redis) => {
-                let (a, b) =
-                    tokio::join!(redis.decide(&enforced, None), redis.decide(&shadows, None));
-                // A shadow limit never changes what the client gets: its call failing is
-                // counted and leaves the shadow limits undecided (uncounted), and the request
-                // is decided by the enforced limits alone (no 503, no fallback charge).
-                let b = b.unwrap_or_else(|e| {
+            Some(redis) => match redis.decide_with_shadows(&globals, &shadow, None).await {
+                // A shadow limit never changes what the client gets: with no enforced global
+                // limit in the call, its failure is counted and the shadow limits are left
+                // undecided (no 503, no fallback charge).
+                Err(e) if !shadow.contains(&false) => {
                     cx.metrics.redis_error(e.kind());
-                    redis::Decision {
+                    Ok(redis::Decision {
                         admitted: true,
                         per_limit: Vec::new(),
-                    }
-                });
-                a.map(|a| (a, b))
-            }
+                    })
+                }
+                other => other,
+            },
             None => Err(redis::RedisError::Unavailable),
         };
         self.tiers.global_duration.observe(started.elapsed());
         // No later than the moment the script was sent: what the tier learns is anchored here.
         let sent = now;
         match answer {
-            Ok((main, shadow)) => {
+            Ok(main) => {
                 self.tiers.redis.inc();
-                let decided = enforced_spans
-                    .iter()
-                    .zip(&enforced)
-                    .zip(main.per_limit)
-                    .chain(shadow_spans.iter().zip(&shadows).zip(shadow.per_limit));
+                let decided = to_redis.iter().zip(&globals).zip(main.per_limit);
                 for ((&(i, s, e), g), v) in decided {
                     let l = &self.limits[i];
                     let key = &keys[s..e];
@@ -676,7 +666,9 @@ impl LimitSet {
                         i,
                         match v {
                             LimitVerdict::Admitted { snapshot, delay } => {
-                                if self.tier_enabled && (main.admitted || l.shadow) {
+                                // Charged only if the request went through (shadow limits
+                                // too), and only then is there a new state to learn.
+                                if self.tier_enabled && main.admitted {
                                     l.tier.admitted(
                                         key,
                                         sent,

@@ -376,6 +376,18 @@ impl RedisStore {
         limits: &[GlobalLimit<'_>],
         now_override: Option<Micros>,
     ) -> Result<Decision, RedisError> {
+        self.decide_with_shadows(limits, &[], now_override).await
+    }
+
+    /// [`RedisStore::decide`] where `shadow[i]` marks a shadow limit: decided in the same call,
+    /// its rejection stops nothing, and it is charged (when it admits) exactly when the
+    /// enforced limits are. `Decision::admitted` is about the enforced limits.
+    pub async fn decide_with_shadows(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+        now_override: Option<Micros>,
+    ) -> Result<Decision, RedisError> {
         if limits.is_empty() {
             return Ok(Decision {
                 admitted: true,
@@ -386,18 +398,19 @@ impl RedisStore {
         let groups = self.groups(limits);
         if groups.len() == 1 {
             let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
-            let (keys, args) = script::decide_call(&all, now_override)?;
+            let (keys, args) = script::decide_call(&all, shadow, now_override)?;
             let reply = self
                 .inner
                 .eval(&self.inner.scripts.decide, keys, args)
                 .await?;
-            let reply = script::decode_decide(&reply, limits.len())?;
+            let reply = script::decode_decide(&reply, limits.len(), shadow)?;
             return Ok(Decision {
                 admitted: reply.admitted,
                 per_limit: reply.per_limit,
             });
         }
-        self.decide_split(limits, groups, now_override).await
+        self.decide_split(limits, shadow, groups, now_override)
+            .await
     }
 
     /// Indices of `limits` per script call: one group on a single Redis, one per hash slot
@@ -423,6 +436,7 @@ impl RedisStore {
     async fn decide_split(
         &self,
         limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
         groups: Vec<Vec<usize>>,
         now_override: Option<Micros>,
     ) -> Result<Decision, RedisError> {
@@ -430,7 +444,12 @@ impl RedisStore {
         let mut calls = Vec::with_capacity(groups.len());
         for group in &groups {
             let members: Vec<&GlobalLimit<'_>> = group.iter().map(|&i| &limits[i]).collect();
-            let decide = script::decide_call(&members, now_override)?;
+            let flags: Vec<bool> = group
+                .iter()
+                .map(|&i| shadow.get(i).copied().unwrap_or(false))
+                .collect();
+            let decide = script::decide_call(&members, &flags, now_override)?;
+            let decide = (decide, flags);
             let refunds: Vec<(Algorithm, String, u64, Micros)> = members
                 .iter()
                 .map(|l| (l.algorithm.clone(), l.key.to_string(), l.cost, l.max_delay))
@@ -440,7 +459,7 @@ impl RedisStore {
         let inner = Arc::clone(&self.inner);
         let task = tokio::spawn(async move {
             let mut set = JoinSet::new();
-            for (g, ((keys, args), _)) in calls.iter().enumerate() {
+            for (g, (((keys, args), _), _)) in calls.iter().enumerate() {
                 let inner = Arc::clone(&inner);
                 let (keys, args) = (keys.clone(), args.clone());
                 set.spawn(async move { (g, inner.eval(&inner.scripts.decide, keys, args).await) });
@@ -449,7 +468,8 @@ impl RedisStore {
             while let Some(joined) = set.join_next().await {
                 if let Ok((g, reply)) = joined {
                     let n = calls[g].1.len();
-                    replies[g] = Some(reply.and_then(|r| script::decode_decide(&r, n)));
+                    let flags = &calls[g].0.1;
+                    replies[g] = Some(reply.and_then(|r| script::decode_decide(&r, n, flags)));
                 }
             }
             let all_admitted = replies
@@ -463,7 +483,15 @@ impl RedisStore {
                     if !reply.admitted {
                         continue;
                     }
-                    for (algorithm, key, cost, max_delay) in calls[g].1.iter().cloned() {
+                    // What this slot committed: its limits that admitted (a shadow limit
+                    // that rejected took nothing).
+                    let committed = calls[g]
+                        .1
+                        .iter()
+                        .zip(&reply.per_limit)
+                        .filter(|(_, v)| v.is_admitted())
+                        .map(|(l, _)| l.clone());
+                    for (algorithm, key, cost, max_delay) in committed {
                         let inner = Arc::clone(&inner);
                         let at = reply.now;
                         refunds.spawn(async move {
@@ -507,7 +535,10 @@ impl RedisStore {
             .map(|v| v.ok_or_else(|| RedisError::Protocol("a limit got no verdict".to_string())))
             .collect::<Result<_, _>>()?;
         Ok(Decision {
-            admitted: per_limit.iter().all(LimitVerdict::is_admitted),
+            admitted: per_limit
+                .iter()
+                .enumerate()
+                .all(|(i, v)| v.is_admitted() || shadow.get(i).copied().unwrap_or(false)),
             per_limit,
         })
     }

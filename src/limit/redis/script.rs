@@ -176,21 +176,24 @@ fn ttl_floor_ms(now_override: Option<Micros>) -> i64 {
     }
 }
 
-/// KEYS and ARGV of one decide.lua call over `limits`.
+/// KEYS and ARGV of one decide.lua call over `limits`; `shadow[i]` (missing: false) marks a
+/// shadow limit, whose rejection does not stop the others.
 pub fn decide_call(
     limits: &[&GlobalLimit<'_>],
+    shadow: &[bool],
     now_override: Option<Micros>,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let mut keys = Vec::with_capacity(limits.len() * 2);
-    let mut args = Vec::with_capacity(DECIDE_HEADER + limits.len() * ARGS_PER_LIMIT);
+    let mut args = Vec::with_capacity(DECIDE_HEADER + limits.len() * (ARGS_PER_LIMIT + 1));
     args.extend([
         now_arg(now_override)?,
         ttl_floor_ms(now_override),
         limits.len() as i64,
     ]);
-    for limit in limits {
+    for (i, limit) in limits.iter().enumerate() {
         keys.extend(redis_keys(limit.key, limit.algorithm));
         push_limit(&mut args, limit)?;
+        args.push(i64::from(shadow.get(i).copied().unwrap_or(false)));
     }
     Ok((keys, args))
 }
@@ -243,7 +246,9 @@ fn flag(v: i64, what: &str) -> Result<bool, RedisError> {
     }
 }
 
-pub fn decode_decide(reply: &[i64], n: usize) -> Result<DecideReply, RedisError> {
+/// decide.lua's reply for `n` limits, `shadow[i]` (missing: false) marking the shadow ones,
+/// whose verdicts do not count towards `all_admitted`.
+pub fn decode_decide(reply: &[i64], n: usize, shadow: &[bool]) -> Result<DecideReply, RedisError> {
     if reply.len() != REPLY_HEADER + REPLY_PER_LIMIT * n {
         return Err(RedisError::Protocol(format!(
             "decide returned {} values for {n} limits",
@@ -275,7 +280,11 @@ pub fn decode_decide(reply: &[i64], n: usize) -> Result<DecideReply, RedisError>
             })
         })
         .collect::<Result<Vec<_>, RedisError>>()?;
-    if admitted != per_limit.iter().all(LimitVerdict::is_admitted) {
+    let enforced_admitted = per_limit
+        .iter()
+        .enumerate()
+        .all(|(i, v)| v.is_admitted() || shadow.get(i).copied().unwrap_or(false));
+    if admitted != enforced_admitted {
         return Err(RedisError::Protocol(
             "all_admitted disagrees with the per-limit verdicts".to_string(),
         ));
@@ -375,7 +384,7 @@ mod tests {
             cost: 1,
             max_delay: 0,
         };
-        let (keys, args) = decide_call(&[&a, &b], Some(42)).unwrap();
+        let (keys, args) = decide_call(&[&a, &b], &[false, true], Some(42)).unwrap();
         assert_eq!(
             keys,
             ["tg:{r/a/x}:gcra", "tg:{r/b/x}:log", "tg:{r/b/x}:log:meta"]
@@ -383,13 +392,13 @@ mod tests {
         assert_eq!(
             args,
             [
-                42, 86_400_000, 2, 1, 10, 1_000_000, 5, 2, 7, 4, 3, 1000, 3, 1, 0
+                42, 86_400_000, 2, 1, 10, 1_000_000, 5, 2, 7, 0, 4, 3, 1000, 3, 1, 0, 1
             ]
         );
-        assert_eq!(decide_call(&[&a], None).unwrap().1[..2], [-1, 1]);
+        assert_eq!(decide_call(&[&a], &[], None).unwrap().1[..2], [-1, 1]);
 
         let reply = [0, 99, 1, 3, 400, 0, 0, 0, 1000, 250];
-        let d = decode_decide(&reply, 2).unwrap();
+        let d = decode_decide(&reply, 2, &[]).unwrap();
         assert!(!d.admitted);
         assert_eq!(d.now, 99);
         assert_eq!(
@@ -409,12 +418,18 @@ mod tests {
                 })
             ]
         );
-        assert!(decode_decide(&reply, 1).is_err());
+        assert!(decode_decide(&reply, 1, &[]).is_err());
         assert!(
-            decode_decide(&[1, 99, 0, 0, 0, 1], 1).is_err(),
+            decode_decide(&[1, 99, 0, 0, 0, 1], 1, &[]).is_err(),
             "flag disagrees"
         );
-        assert!(decode_decide(&[1, 99, 1, -1, 0, 0], 1).is_err());
+        assert!(decode_decide(&[1, 99, 1, -1, 0, 0], 1, &[]).is_err());
+        // A shadow limit's rejection leaves all_admitted set.
+        assert!(
+            decode_decide(&[1, 99, 0, 0, 0, 1], 1, &[true])
+                .unwrap()
+                .admitted
+        );
         assert_eq!(
             decode_peek(&[2, 5, 9]).unwrap(),
             (

@@ -1,8 +1,10 @@
 -- decide.lua: one decision for all of a request's global limits, atomically. Sent as
 -- `lib.lua .. decide.lua` (see lib.lua for the per-limit parameters and keys).
 --
--- Every limit is checked first; only if all admit is every one committed, so a rejected
--- request writes nothing. Written keys expire once their state is back to full.
+-- Every limit is checked first; only if every enforced limit admits is anything committed
+-- (each limit that admitted, shadow ones included), so a rejected request writes nothing and
+-- a shadow limit is charged exactly when the request goes through, as in process. Written keys
+-- expire once their state is back to full.
 --
 -- KEYS:  per limit, in ARGV order: 1 key (gcra, fixed_window, sliding_window) or
 --        2 keys (sliding_log: entries zset, meta hash); all in one hash slot on a cluster.
@@ -10,9 +12,10 @@
 --        [2] minimum TTL in ms for written keys (1 in production; tests with an overridden
 --            clock raise it, since their timeline does not follow the TTL's real clock)
 --        [3] n, the number of limits
---        then n × 6: algo, count, period, burst, cost, max_delay
+--        then n × 7: algo, count, period, burst, cost, max_delay, shadow (1: a shadow limit,
+--        whose rejection does not stop the others; 0 otherwise)
 -- Returns a flat integer array of 2 + 4n values:
---        all_admitted (1|0), now (µs, the instant the decision was taken at),
+--        all_admitted (1|0: every enforced limit admitted), now (µs, the instant the decision was taken at),
 --        then per limit: admitted (1|0), remaining, reset_after (µs),
 --        retry_after (µs, if rejected) or delay (µs, if admitted; > 0 only for a reservation)
 -- For a rejected request the limits that would have admitted report their check, though
@@ -20,7 +23,7 @@
 
 local now = clock(ARGV[1])
 local floor_ms = tonumber(ARGV[2]) or 1
-local limits = read_limits(tonumber(ARGV[3]) or 0, 3)
+local limits = read_limits(tonumber(ARGV[3]) or 0, 3, true)
 
 local out = { 1, now }
 local states = {}
@@ -33,14 +36,16 @@ for i, l in ipairs(limits) do
   out[#out + 1] = remaining
   out[#out + 1] = reset_after
   out[#out + 1] = wait
-  if admitted == 0 then
+  if admitted == 0 and not l.shadow then
     out[1] = 0
   end
 end
 
 if out[1] == 1 then
   for i, l in ipairs(limits) do
-    ALG[l.algo].commit(l, states[i], now, floor_ms)
+    if out[3 + (i - 1) * 4] == 1 then
+      ALG[l.algo].commit(l, states[i], now, floor_ms)
+    end
   end
 end
 

@@ -63,11 +63,14 @@ local function expire(keys, full_at, now, floor_ms)
 end
 
 -- Reads `n` limits from ARGV starting after index `at`, taking their keys from KEYS in order.
-local function read_limits(n, at)
+-- With `shadow` (decide.lua), each limit has a 7th value: 1 for a shadow limit, else 0.
+local function read_limits(n, at, shadow)
   local limits, k = {}, 1
+  local stride = shadow and 7 or 6
   for i = 1, n do
-    local b = at + (i - 1) * 6
+    local b = at + (i - 1) * stride
     local l = {
+      shadow = shadow and ARGV[b + 7] == '1',
       algo = tonumber(ARGV[b + 1]),
       count = tonumber(ARGV[b + 2]),
       period = tonumber(ARGV[b + 3]),
