@@ -196,3 +196,77 @@ async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
     }
     store.shutdown().await;
 }
+
+/// A shadow limit on another node is charged only with the request: when an enforced limit
+/// rejects, the shadow one's slot is refunded like any other, and its own rejection (it is
+/// the smallest here after a while) stops nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_limit_on_another_node_is_charged_only_with_the_request() {
+    let cluster = RedisCluster::start();
+    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
+    settings.timeout = Duration::from_secs(2);
+    let store = RedisStore::connect(settings).unwrap();
+    let q = |count| Quota {
+        count,
+        period: 60_000_000,
+        burst: count,
+    };
+    // Node 0: enforced, 4 per minute; node 1: shadow, 2 per minute; node 2: enforced, 10.
+    let algs = [
+        Algorithm::FixedWindow(FixedWindow::new(q(4))),
+        Algorithm::Gcra(Gcra::new(q(2))),
+        Algorithm::Gcra(Gcra::new(q(10))),
+    ];
+    let shadow = [false, true, false];
+    let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
+    let limits: Vec<GlobalLimit<'_>> = algs
+        .iter()
+        .zip(&keys)
+        .map(|(algorithm, key)| GlobalLimit {
+            algorithm,
+            key,
+            cost: 1,
+            max_delay: 0,
+        })
+        .collect();
+    let mut states: Vec<State> = algs.iter().map(Algorithm::new_state).collect();
+    let mut admitted = 0;
+    for step in 0..6u64 {
+        let now = EPOCH + step * 1_000;
+        let want: Vec<LimitVerdict> = limits
+            .iter()
+            .zip(&states)
+            .map(|(l, s)| expected(l.algorithm, s, now, l.cost))
+            .collect();
+        let all = want
+            .iter()
+            .zip(&shadow)
+            .all(|(v, &sh)| sh || v.is_admitted());
+        if all {
+            for ((l, s), v) in limits.iter().zip(states.iter_mut()).zip(&want) {
+                if v.is_admitted() {
+                    l.algorithm.commit(s, now, l.cost);
+                }
+            }
+        }
+        let d = store
+            .decide_with_shadows(&limits, &shadow, Some(now))
+            .await
+            .unwrap();
+        assert_eq!(d.admitted, all, "step {step}");
+        assert_eq!(d.per_limit, want, "step {step}");
+        for (l, s) in limits.iter().zip(&states) {
+            let (peek, _) = store.peek_at(l, Some(now)).await.unwrap();
+            assert_eq!(
+                peek,
+                l.algorithm.peek(s, now),
+                "{} after step {step}",
+                l.key
+            );
+        }
+        admitted += usize::from(d.admitted);
+    }
+    // The shadow limit ran out after 2 and stopped nothing; the fixed window let 4 through.
+    assert_eq!(admitted, 4);
+    store.shutdown().await;
+}
