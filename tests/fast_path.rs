@@ -622,7 +622,8 @@ async fn mangle_against(path: &str, g: &Gateway) {
 }
 
 /// A client that shuts its write side right after its request still gets the answer, on both
-/// paths (hyper's default dropped the connection at the EOF, request and all).
+/// paths (hyper's default dropped the connection at the EOF, request and all), and one that
+/// shuts it before its body's end gets a 400 on both.
 #[tokio::test]
 async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
     let up = Upstream::start().await;
@@ -632,18 +633,26 @@ async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
         "  admin: 127.0.0.1:0\n  fast_path: false\n",
     ))
     .await;
+    // A whole request is answered; one whose body the shutdown cut short gets a 400.
+    let cases: [(&[u8], &str); 2] = [
+        (b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", "HTTP/1.1 200 "),
+        (
+            b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhe",
+            "HTTP/1.1 400 ",
+        ),
+    ];
     for (path, g) in [("fast", &fast), ("general", &general)] {
-        let mut s = TcpStream::connect(g.addr).await.unwrap();
-        s.write_all(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
-            .await
-            .unwrap();
-        s.shutdown().await.unwrap();
-        let mut got = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
-            .await
-            .unwrap()
-            .unwrap();
-        let text = String::from_utf8_lossy(&got);
-        assert!(text.starts_with("HTTP/1.1 200 "), "{path}: {text:?}");
+        for (req, want) in cases {
+            let mut s = TcpStream::connect(g.addr).await.unwrap();
+            s.write_all(req).await.unwrap();
+            s.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+                .await
+                .unwrap()
+                .unwrap();
+            let text = String::from_utf8_lossy(&got);
+            assert!(text.starts_with(want), "{path}: {text:?}");
+        }
     }
 }

@@ -143,8 +143,10 @@ enum ReadHead {
 
 /// Why an exchange with the upstream ended without a response head.
 enum Failure {
-    /// The client went away (or broke its body's framing) mid-body.
+    /// The client's connection failed mid-body.
     Client,
+    /// The client shut its side before its body's end (it may still read an answer).
+    CutShort,
     BadBody,
     Upstream(io::Error),
 }
@@ -408,6 +410,15 @@ impl Conn {
             Ok(Err(Failure::Client)) => return (0, Step::Close { linger: false }),
             Ok(Err(Failure::BadBody)) => {
                 let resp = response::bad_request("malformed chunked request body");
+                return (
+                    400,
+                    self.answer(resp, head, bytes, rid, &route.metrics).await,
+                );
+            }
+            // As the general path (hyper) answers it; the upstream connection, holding half a
+            // request, is dropped.
+            Ok(Err(Failure::CutShort)) => {
+                let resp = response::bad_request("request body cut short");
                 return (
                     400,
                     self.answer(resp, head, bytes, rid, &route.metrics).await,
@@ -888,7 +899,8 @@ async fn send_body_until_head(
             },
             r = read_more(client, rbuf), if wants => match r {
                 Ok(n) if n > 0 => {}
-                _ => return Err(Failure::Client),
+                Ok(_) => return Err(Failure::CutShort),
+                Err(_) => return Err(Failure::Client),
             },
             r = read_more(&mut ur, ubuf) => {
                 match r {
