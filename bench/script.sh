@@ -31,13 +31,16 @@ trap 'kill $REDIS 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$TMP"' 
 for _ in $(seq 50); do redis-cli -p "$PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
 cli() { redis-cli -p "$PORT" "$@"; }
 
-# Script versions: this checkout, and BASE's when given.
+# Script versions: this checkout, BASE's when given, and an empty script (`return 1`, with
+# gcra's arguments only): the floor, what any EVALSHA costs before its Lua does anything.
 VERSIONS=(here)
 cat "$REPO/$LUA/lib.lua" <(echo) "$REPO/$LUA/decide.lua" >"$TMP/here.lua"
 if [[ -n "${BASE:-}" ]]; then
     VERSIONS+=(base)
     { git -C "$REPO" show "$BASE:$LUA/lib.lua"; echo; git -C "$REPO" show "$BASE:$LUA/decide.lua"; } >"$TMP/base.lua"
 fi
+VERSIONS+=(empty)
+echo "return 1" >"$TMP/empty.lua"
 declare -A SHA
 for v in "${VERSIONS[@]}"; do SHA[$v]=$(cli -x script load <"$TMP/$v.lua"); done
 
@@ -51,6 +54,7 @@ declare -A US RPS
 for round in $(seq "$ROUNDS"); do
     for a in "${ALGOS[@]}"; do
         for v in "${VERSIONS[@]}"; do
+            [[ $v == empty && $a != gcra ]] && continue
             cli flushall >/dev/null
             cli config resetstat >/dev/null
             # shellcheck disable=SC2086 # KEYS holds the key count and the keys
@@ -72,6 +76,7 @@ echo "medians over $ROUNDS rounds (redis-server on core 0, redis-benchmark -c 50
 printf '%-16s %-6s %12s %12s\n' algorithm script "µs/EVALSHA" "EVALSHA/s"
 for a in "${ALGOS[@]}"; do
     for v in "${VERSIONS[@]}"; do
+        [[ $v == empty && $a != gcra ]] && continue
         label=$v; [[ $v == base ]] && label="$BASE"
         printf '%-16s %-6s %12s %12.0f\n' "$a" "${label:0:6}" "$(median "${US[$a.$v]}")" "$(median "${RPS[$a.$v]}")"
     done

@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::redis::RedisServer;
+use support::redis::{RedisServer, command_calls};
 use support::upstream::Upstream;
 use support::{Gateway, client};
 
@@ -42,14 +42,7 @@ routes:
 }
 
 fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let stats = redis.cli(&["INFO", "commandstats"]);
-    stats
-        .lines()
-        .find_map(|l| {
-            let rest = l.strip_prefix("cmdstat_evalsha:calls=")?;
-            rest.split(',').next()?.parse().ok()
-        })
-        .unwrap_or(0)
+    command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha").0
 }
 
 fn counter(redis: &RedisServer, route: &str) -> u64 {

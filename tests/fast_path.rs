@@ -239,27 +239,7 @@ async fn a_malformed_chunked_body_is_refused_with_400_and_the_connection_closed(
 
 /// An upstream that answers every request with a body that ends when it closes.
 async fn close_delimited_upstream() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        loop {
-            let (mut s, _) = listener.accept().await.unwrap();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
-                }
-                let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nhello ").await;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                let _ = s.write_all(b"world").await;
-            });
-        }
-    });
-    url
+    support::upstream::raw(&[b"HTTP/1.1 200 OK\r\n\r\nhello ", b"world"]).await
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use support::redis::{RedisCluster, RedisServer};
+use support::redis::{RedisCluster, RedisServer, command_calls};
 use support::upstream::Upstream;
 use support::{Gateway, client, metric};
 
@@ -41,6 +41,15 @@ fn on_shared_redis(redis: &RedisServer, name: &str, up: &Upstream, limits: &str)
         "deny",
         &route(name, &up.url(), limits),
     )
+}
+
+/// A loopback port nothing listens on: a Redis that is down.
+fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 async fn start_n(n: usize, yaml: &str) -> Vec<Gateway> {
@@ -381,11 +390,7 @@ async fn redis_down_fails_open_or_closed_without_a_timeout_storm_and_recovers_by
 /// client gets.
 #[tokio::test]
 async fn a_shadow_limit_does_not_fail_closed_when_redis_is_down() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = closed_port();
     let up = Upstream::start().await;
     let shadow = "      - name: s\n        key: [ip]\n        rate: 1/1d\n        shadow: true\n";
     let enforced = "      - name: e\n        key: [ip]\n        rate: 100/1d\n";
@@ -409,11 +414,7 @@ async fn a_shadow_limit_does_not_fail_closed_when_redis_is_down() {
 
 #[tokio::test]
 async fn the_gateway_starts_and_serves_when_redis_is_down_at_startup() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = closed_port();
     let up = Upstream::start().await;
     let limits = "      - name: l\n        key: [ip]\n        rate: 2/1d\n";
     let g = Gateway::start(&cfg_timeout(
@@ -616,18 +617,9 @@ async fn shadow_and_enforced_limits_are_one_call_and_charged_together() {
     let yaml = on_shared_redis(&redis, "sh", &up, limits);
     let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
     // EVALSHA calls that ran (a first NOSCRIPT, answered by loading the script, is not one).
-    let calls = || -> u64 {
-        let stats = redis.cli(&["INFO", "commandstats"]);
-        let line = stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_evalsha:"))
-            .unwrap_or("");
-        let field = |name: &str| -> u64 {
-            line.split([':', ','])
-                .find_map(|kv| kv.strip_prefix(name)?.parse().ok())
-                .unwrap_or(0)
-        };
-        field("calls=") - field("failed_calls=")
+    let calls = || {
+        let (calls, failed) = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
+        calls - failed
     };
     let before = calls();
     let c = client();

@@ -6,7 +6,7 @@ mod redis_support;
 
 use std::time::Duration;
 
-use redis_support::RedisCluster;
+use redis_support::{RedisCluster, command_calls};
 use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
@@ -46,12 +46,74 @@ fn expected(alg: &Algorithm, state: &State, now: Micros, cost: u64) -> LimitVerd
     }
 }
 
+fn connect(cluster: &RedisCluster) -> RedisStore {
+    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
+    settings.timeout = Duration::from_secs(2);
+    RedisStore::connect(settings).unwrap()
+}
+
+/// One limit per algorithm and key, cost 1, no reservation.
+fn limits<'a>(algs: &'a [Algorithm], keys: &'a [String]) -> Vec<GlobalLimit<'a>> {
+    algs.iter()
+        .zip(keys)
+        .map(|(algorithm, key)| GlobalLimit {
+            algorithm,
+            key,
+            cost: 1,
+            max_delay: 0,
+        })
+        .collect()
+}
+
+/// Six requests 1 ms apart, each decided by the store and by the Rust cores (every enforced
+/// limit must admit; then each limit that admitted, shadow ones too, is charged); after each,
+/// every key must read as the model says, so a slot charged for a request another slot
+/// rejected was refunded. Returns how many requests were admitted.
+async fn walk(store: &RedisStore, limits: &[GlobalLimit<'_>], shadow: &[bool]) -> usize {
+    let mut states: Vec<State> = limits.iter().map(|l| l.algorithm.new_state()).collect();
+    let mut admitted = 0;
+    for step in 0..6u64 {
+        let now = EPOCH + step * 1_000;
+        let want: Vec<LimitVerdict> = limits
+            .iter()
+            .zip(&states)
+            .map(|(l, s)| expected(l.algorithm, s, now, l.cost))
+            .collect();
+        let all = want
+            .iter()
+            .enumerate()
+            .all(|(i, v)| shadow.get(i).copied().unwrap_or(false) || v.is_admitted());
+        if all {
+            for ((l, s), v) in limits.iter().zip(states.iter_mut()).zip(&want) {
+                if v.is_admitted() {
+                    l.algorithm.commit(s, now, l.cost);
+                }
+            }
+        }
+        let d = store
+            .decide_with_shadows(limits, shadow, Some(now))
+            .await
+            .unwrap();
+        assert_eq!(d.admitted, all, "step {step}");
+        assert_eq!(d.per_limit, want, "step {step}");
+        for (l, s) in limits.iter().zip(&states) {
+            let (peek, _) = store.peek_at(l, Some(now)).await.unwrap();
+            assert_eq!(
+                peek,
+                l.algorithm.peek(s, now),
+                "{} after step {step}",
+                l.key
+            );
+        }
+        admitted += usize::from(d.admitted);
+    }
+    admitted
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_on_different_nodes_are_all_or_nothing() {
     let cluster = RedisCluster::start();
-    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
-    settings.timeout = Duration::from_secs(2);
-    let store = RedisStore::connect(settings).unwrap();
+    let store = connect(&cluster);
     assert!(store.is_cluster());
 
     // Three limits, one per node; the sliding log runs out first.
@@ -66,48 +128,9 @@ async fn limits_on_different_nodes_are_all_or_nothing() {
         Algorithm::SlidingLog(SlidingLog::new(q(3))),
     ];
     let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
-    let limits: Vec<GlobalLimit<'_>> = algs
-        .iter()
-        .zip(&keys)
-        .map(|(algorithm, key)| GlobalLimit {
-            algorithm,
-            key,
-            cost: 1,
-            max_delay: 0,
-        })
-        .collect();
-
-    let mut states: Vec<State> = algs.iter().map(Algorithm::new_state).collect();
-    let mut admitted = 0;
-    for step in 0..6u64 {
-        let now = EPOCH + step * 1_000;
-        let want: Vec<LimitVerdict> = limits
-            .iter()
-            .zip(&states)
-            .map(|(l, s)| expected(l.algorithm, s, now, l.cost))
-            .collect();
-        let all = want.iter().all(LimitVerdict::is_admitted);
-        if all {
-            for (l, s) in limits.iter().zip(states.iter_mut()) {
-                l.algorithm.commit(s, now, l.cost);
-            }
-        }
-        let d = store.decide(&limits, Some(now)).await.unwrap();
-        assert_eq!(d.admitted, all, "step {step}");
-        assert_eq!(d.per_limit, want, "step {step}");
-        // Rejected by the log alone: the other two nodes were charged and refunded.
-        for (l, s) in limits.iter().zip(&states) {
-            let (peek, _) = store.peek_at(l, Some(now)).await.unwrap();
-            assert_eq!(
-                peek,
-                l.algorithm.peek(s, now),
-                "{} after step {step}",
-                l.key
-            );
-        }
-        admitted += usize::from(d.admitted);
-    }
-    assert_eq!(admitted, 3);
+    let limits = limits(&algs, &keys);
+    // Rejected by the log alone: the other two nodes were charged and refunded.
+    assert_eq!(walk(&store, &limits, &[]).await, 3);
 
     // Every node holds its limit's keys.
     for (node, (l, key)) in limits.iter().zip(&keys).enumerate() {
@@ -125,9 +148,7 @@ async fn limits_on_different_nodes_are_all_or_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
     let cluster = RedisCluster::start();
-    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
-    settings.timeout = Duration::from_secs(2);
-    let store = RedisStore::connect(settings).unwrap();
+    let store = connect(&cluster);
     let q = Quota {
         count: 2,
         period: 60_000_000,
@@ -151,16 +172,8 @@ async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
         },
     ];
     let node = cluster.node_for_key("tg:{tenant-7}:a");
-    let evalsha_calls = |n: usize| -> u64 {
-        let stats = cluster.cli_node(n, &["info", "commandstats"]);
-        stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_evalsha:"))
-            .and_then(|l| l.split("calls=").nth(1))
-            .and_then(|v| v.split(',').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let evalsha_calls =
+        |n: usize| command_calls(&cluster.cli_node(n, &["info", "commandstats"]), "evalsha").0;
     let before: Vec<u64> = (0..3).map(evalsha_calls).collect();
     let mut verdicts = Vec::new();
     for step in 0..3u64 {
@@ -203,9 +216,7 @@ async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shadow_limit_on_another_node_is_charged_only_with_the_request() {
     let cluster = RedisCluster::start();
-    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
-    settings.timeout = Duration::from_secs(2);
-    let store = RedisStore::connect(settings).unwrap();
+    let store = connect(&cluster);
     let q = |count| Quota {
         count,
         period: 60_000_000,
@@ -217,56 +228,9 @@ async fn a_shadow_limit_on_another_node_is_charged_only_with_the_request() {
         Algorithm::Gcra(Gcra::new(q(2))),
         Algorithm::Gcra(Gcra::new(q(10))),
     ];
-    let shadow = [false, true, false];
     let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
-    let limits: Vec<GlobalLimit<'_>> = algs
-        .iter()
-        .zip(&keys)
-        .map(|(algorithm, key)| GlobalLimit {
-            algorithm,
-            key,
-            cost: 1,
-            max_delay: 0,
-        })
-        .collect();
-    let mut states: Vec<State> = algs.iter().map(Algorithm::new_state).collect();
-    let mut admitted = 0;
-    for step in 0..6u64 {
-        let now = EPOCH + step * 1_000;
-        let want: Vec<LimitVerdict> = limits
-            .iter()
-            .zip(&states)
-            .map(|(l, s)| expected(l.algorithm, s, now, l.cost))
-            .collect();
-        let all = want
-            .iter()
-            .zip(&shadow)
-            .all(|(v, &sh)| sh || v.is_admitted());
-        if all {
-            for ((l, s), v) in limits.iter().zip(states.iter_mut()).zip(&want) {
-                if v.is_admitted() {
-                    l.algorithm.commit(s, now, l.cost);
-                }
-            }
-        }
-        let d = store
-            .decide_with_shadows(&limits, &shadow, Some(now))
-            .await
-            .unwrap();
-        assert_eq!(d.admitted, all, "step {step}");
-        assert_eq!(d.per_limit, want, "step {step}");
-        for (l, s) in limits.iter().zip(&states) {
-            let (peek, _) = store.peek_at(l, Some(now)).await.unwrap();
-            assert_eq!(
-                peek,
-                l.algorithm.peek(s, now),
-                "{} after step {step}",
-                l.key
-            );
-        }
-        admitted += usize::from(d.admitted);
-    }
-    // The shadow limit ran out after 2 and stopped nothing; the fixed window let 4 through.
+    // The shadow limit runs out after 2 and stops nothing; the fixed window lets 4 through.
+    let admitted = walk(&store, &limits(&algs, &keys), &[false, true, false]).await;
     assert_eq!(admitted, 4);
     store.shutdown().await;
 }

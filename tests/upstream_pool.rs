@@ -168,26 +168,7 @@ async fn a_connection_the_upstream_announced_closing_is_not_reused() {
 #[tokio::test]
 async fn an_http_1_0_upstream_does_not_downgrade_the_client_connection() {
     // An upstream that speaks HTTP/1.0 and closes after each response, as python's http.server.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        loop {
-            let (mut s, _) = listener.accept().await.unwrap();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
-                }
-                let _ = s
-                    .write_all(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    .await;
-            });
-        }
-    });
+    let url = support::upstream::raw(&[b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok"]).await;
     let g = Gateway::start(&yaml(&url)).await;
     // One raw HTTP/1.1 client connection, two requests on it.
     let mut c = tokio::net::TcpStream::connect(g.addr).await.unwrap();

@@ -15,6 +15,19 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
+/// `cmdstat_<cmd>`'s `calls` and `failed_calls` in an `INFO commandstats` answer (0 when the
+/// command never ran). A first `NOSCRIPT`, answered by loading the script, is a failed call.
+pub fn command_calls(stats: &str, cmd: &str) -> (u64, u64) {
+    let prefix = format!("cmdstat_{cmd}:");
+    let line = stats.lines().find(|l| l.starts_with(&prefix)).unwrap_or("");
+    let field = |name: &str| -> u64 {
+        line.split([':', ','])
+            .find_map(|kv| kv.strip_prefix(name)?.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("calls="), field("failed_calls="))
+}
+
 const NOT_FOUND: &str = "redis-server not found: install it with `apt-get install -y redis-server` (the README's test command does this)";
 
 /// How long a fresh server may take to answer PING; generous for a loaded CI machine.

@@ -245,3 +245,33 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
         .insert("content-type", "application/json".parse().unwrap());
     Ok(r)
 }
+
+/// A hand-written upstream for answers hyper would not give: for every connection it reads a
+/// request head, writes `parts` one after the other 20 ms apart, and closes. Returns its URL.
+pub async fn raw(parts: &'static [&'static [u8]]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                for (i, part) in parts.iter().enumerate() {
+                    if i > 0 {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let _ = s.write_all(part).await;
+                }
+            });
+        }
+    });
+    url
+}

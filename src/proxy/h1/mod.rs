@@ -405,38 +405,33 @@ impl Conn {
         )
         .await;
         route.metrics.upstream_duration.observe(t0.elapsed());
-        let (mut up, resp) = match result {
-            Ok(Ok(r)) => r,
+        // Anything but a response head is answered by tollgate itself (or, the client gone,
+        // not at all).
+        let exchanged = match result {
+            Ok(Ok(r)) => Ok(r),
             Ok(Err(Failure::Client)) => return (0, Step::Close { linger: false }),
             Ok(Err(Failure::BadBody)) => {
-                let resp = response::bad_request("malformed chunked request body");
-                return (
-                    400,
-                    self.answer(resp, head, bytes, rid, &route.metrics).await,
-                );
+                Err((400, response::bad_request("malformed chunked request body")))
             }
             // As the general path (hyper) answers it; the upstream connection, holding half a
             // request, is dropped.
             Ok(Err(Failure::CutShort)) => {
-                let resp = response::bad_request("request body cut short");
-                return (
-                    400,
-                    self.answer(resp, head, bytes, rid, &route.metrics).await,
-                );
+                Err((400, response::bad_request("request body cut short")))
             }
             Ok(Err(Failure::Upstream(e))) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream request failed");
-                let resp = response::bad_gateway(&route.name);
-                return (
-                    502,
-                    self.answer(resp, head, bytes, rid, &route.metrics).await,
-                );
+                Err((502, response::bad_gateway(&route.name)))
             }
             Err(_) => {
                 tracing::warn!(route = %route.name, timeout = ?route.timeout, "upstream timed out");
-                let resp = response::gateway_timeout(&route.name);
+                Err((504, response::gateway_timeout(&route.name)))
+            }
+        };
+        let (mut up, resp) = match exchanged {
+            Ok(r) => r,
+            Err((status, resp)) => {
                 return (
-                    504,
+                    status,
                     self.answer(resp, head, bytes, rid, &route.metrics).await,
                 );
             }
