@@ -129,30 +129,54 @@ fn store(c: &mut Criterion) {
 /// The floor under `store/gcra_keys_1000000`: one dependent read of a random cache line in
 /// 128 MB (the size of a million keys' tables), allocated as those tables are. A decision on a
 /// key the caches do not hold cannot cost less than this on the machine at hand.
+///
+/// The smaller regions show where the caches this process really gets end (a VM's share of an
+/// L3 can be far below what `lscpu` reports), and `_written` dirties each line it reads, as a
+/// decision does, so evicting it costs a write-back: together they say whether any layout of a
+/// million keys could stay in cache, and what a decision that misses must at least pay.
 fn memory(c: &mut Criterion) {
-    const LINES: usize = (128 << 20) / 64;
+    for (mb, write) in [
+        (4, false),
+        (8, false),
+        (16, false),
+        (128, false),
+        (128, true),
+    ] {
+        let name = format!(
+            "memory/random_line_{mb}MB{}",
+            if write { "_written" } else { "" }
+        );
+        memory_floor(c, &name, (mb << 20) / 64, write);
+    }
+}
+
+fn memory_floor(c: &mut Criterion, name: &str, count: usize, write: bool) {
     #[repr(align(64))]
     #[derive(Clone, Copy)]
     struct Line([usize; 8]);
-    let mut lines = vec![Line([0; 8]); LINES];
+    let mut lines = vec![Line([0; 8]); count];
     // One cycle through every line in a scrambled order (a full-period LCG over the indices),
     // so each read depends on the last and no prefetcher can guess the next.
-    let mut order: Vec<usize> = (0..LINES).collect();
+    let mut order: Vec<usize> = (0..count).collect();
     let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    for i in (1..LINES).rev() {
+    for i in (1..count).rev() {
         x = x
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
         order.swap(i, (x >> 33) as usize % (i + 1));
     }
-    for w in 0..LINES {
-        lines[order[w]].0[0] = order[(w + 1) % LINES];
+    for w in 0..count {
+        lines[order[w]].0[0] = order[(w + 1) % count];
     }
     drop(order);
     let mut at = 0usize;
-    c.bench_function("memory/random_line_128MB", |b| {
+    c.bench_function(name, |b| {
         b.iter(|| {
-            at = lines[at].0[0];
+            let line = &mut lines[at].0;
+            if write {
+                line[1] = line[1].wrapping_add(1);
+            }
+            at = line[0];
             black_box(at)
         })
     });
