@@ -5,9 +5,9 @@
 //! [`LocalStore::sweep`] on a timer, so memory follows the keys that are active now, not every
 //! key ever seen.
 //!
-//! [`decide`] evaluates all of a request's local limits under their shard locks, taken in the
-//! route's limit order (every request of a route takes them in the same order, so two requests
-//! cannot deadlock), checks every limit and commits only if all admitted. That is what makes
+//! [`decide`] evaluates all of a request's local limits under their shard locks, taken in one
+//! order for every request (by store address, so two requests cannot deadlock, even across a
+//! reload that reorders a route's limits), checks every limit and commits only if all admitted. That is what makes
 //! "a rejected request consumes from none" exact, which governor cannot do (it consumes on check).
 
 pub mod deny;
@@ -108,20 +108,49 @@ pub fn check(checks: &[LocalCheck<'_>], now: Micros) -> (bool, SmallVec<[LocalVe
     decide_inner(checks, now, false)
 }
 
+/// A check's shard guard, where its key sits and its hash.
+type Held<'a> = (parking_lot::MutexGuard<'a, Shard<State>>, Found, u64);
+
+#[inline(always)]
+fn lock<'a>(c: &LocalCheck<'a>) -> Held<'a> {
+    let hash = c.store.map.hash(c.key);
+    let guard = c.store.map.lock(hash);
+    let found = guard.find(hash, c.key);
+    (guard, found, hash)
+}
+
+/// Locks several checks' shards in address order, pushing the guards in the checks' order.
+#[inline(never)]
+fn lock_in_order<'a>(checks: &[LocalCheck<'a>], held: &mut SmallVec<[Held<'a>; 4]>) {
+    let mut order: SmallVec<[(usize, &LocalCheck<'a>); 4]> = checks.iter().enumerate().collect();
+    order.sort_unstable_by_key(|(_, c)| std::ptr::from_ref(c.store) as usize);
+    let mut locked: SmallVec<[(usize, Held<'a>); 4]> =
+        order.into_iter().map(|(i, c)| (i, lock(c))).collect();
+    locked.sort_unstable_by_key(|l| l.0);
+    held.extend(locked.into_iter().map(|l| l.1));
+}
+
 fn decide_inner(
     checks: &[LocalCheck<'_>],
     now: Micros,
     charge: bool,
 ) -> (bool, SmallVec<[LocalVerdict; 4]>) {
-    // Each check's shard guard, with where its key sits and its hash, for the commit.
-    let mut held: SmallVec<[_; 4]> = SmallVec::new();
+    // Each check's shard guard, with where its key sits and its hash, for the commit, in the
+    // checks' order. The locks are taken in one order for every request, the stores'
+    // addresses, not the route's limit order: a reload carries a limit's store over even when
+    // the new config lists the route's limits in another order, and a request still on the old
+    // config must not hold the lock a new one waits for while it waits for that one's.
+    let mut held: SmallVec<[Held<'_>; 4]> = SmallVec::new();
+    if let [c] = checks {
+        held.push(lock(c));
+    } else {
+        lock_in_order(checks, &mut held);
+    }
     let mut verdicts: SmallVec<[LocalVerdict; 4]> = SmallVec::new();
     let mut all = true;
-    for c in checks {
-        let hash = c.store.map.hash(c.key);
-        let guard = c.store.map.lock(hash);
+    for (c, (guard, found, _)) in checks.iter().zip(&held) {
         let fresh;
-        let found = guard.find(hash, c.key);
+        let found = *found;
         let state = match guard.live_at(found, now) {
             Some(state) => state,
             None => {
@@ -136,7 +165,6 @@ fn decide_inner(
         };
         all &= v.is_ok() || c.shadow;
         verdicts.push(v);
-        held.push((guard, found, hash));
     }
     if all && charge {
         for ((guard, found, hash), (c, v)) in held.iter_mut().zip(checks.iter().zip(&verdicts)) {
@@ -213,6 +241,43 @@ mod tests {
         }
         assert_eq!(a.peek(&enforced, b"k", 7).remaining, 7);
         assert_eq!(b.peek(&shadow, b"k", 7).remaining, 0);
+    }
+
+    /// A reload carries a limit's store over even when the route now lists its limits in
+    /// another order, so a request of the old config and one of the new can decide on the same
+    /// two stores in opposite orders at once. Taking the route's order as the lock order, they
+    /// could each hold the lock the other waits for, and both threads would hang forever.
+    #[test]
+    fn opposite_limit_orders_on_the_same_stores_do_not_deadlock() {
+        let (a, b) = (LocalStore::new(), LocalStore::new());
+        let alg = Algorithm::Gcra(Gcra::new(q(1_000_000)));
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            for reversed in [false, true] {
+                let (a, b, alg, done) = (&a, &b, &alg, done.clone());
+                s.spawn(move || {
+                    let (first, second) = if reversed { (b, a) } else { (a, b) };
+                    let checks = [
+                        check(first, alg, b"k", false),
+                        check(second, alg, b"k", false),
+                    ];
+                    for n in 0..200_000 {
+                        decide(&checks, n);
+                    }
+                    done.send(()).unwrap();
+                });
+            }
+            for _ in 0..2 {
+                if finished
+                    .recv_timeout(std::time::Duration::from_secs(30))
+                    .is_err()
+                {
+                    // The threads cannot be unstuck; end the test process with the verdict.
+                    eprintln!("two decisions on the same stores in opposite orders deadlocked");
+                    std::process::exit(1);
+                }
+            }
+        });
     }
 
     #[test]
