@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::Value;
 use support::upstream::Upstream;
-use support::{Gateway, client, metric};
+use support::{Gateway, client, closed_addr, metric};
 
 fn yaml(upstream: &str, routes: &str) -> String {
     format!(
@@ -123,11 +123,7 @@ async fn preserve_host_false_sends_the_upstream_authority() {
 
 #[tokio::test]
 async fn upstream_down_is_502_and_slow_upstream_is_504() {
-    // A port that was just free: nothing listens there.
-    let free = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let free = support::closed_addr();
     let up = Upstream::start().await;
     let routes = format!(
         "  - name: down\n    match: {{ path_prefix: /down }}\n    upstream: http://{free}\n  - name: slow\n    match: {{ path_prefix: /slow }}\n    upstream: {}\n    timeout: 200ms\n",
@@ -241,6 +237,36 @@ async fn http2_prior_knowledge_clients_are_served() {
     // HTTP/2 carries the host in `:authority`; X-Forwarded-Host is set from it all the same.
     assert_eq!(e["headers"]["x-forwarded-host"], g.addr.to_string());
     assert_eq!(e["headers"]["x-forwarded-proto"], "http");
+}
+
+/// HEAD answers tollgate writes itself (404, 429, 502…) carry no body on HTTP/2 either: a
+/// DATA frame after a HEAD's headers is a protocol error to the client (curl: "stream 1 was
+/// not closed cleanly: PROTOCOL_ERROR"), which then sees no status at all.
+#[tokio::test]
+async fn http2_head_gets_tollgates_own_answers_without_a_body() {
+    let up = Upstream::start().await;
+    let routes = format!(
+        "{LIMITED}  - name: dead\n    match: {{ path_prefix: /dead }}\n    upstream: http://{}\n",
+        closed_addr()
+    );
+    let g = Gateway::start(&yaml(&up.url(), &routes)).await;
+    let c = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .no_proxy()
+        .build()
+        .unwrap();
+    for (path, status) in [
+        ("/nothing", 404),
+        ("/dead", 502),
+        ("/v1/a", 200),
+        ("/v1/a", 200),
+        ("/v1/a", 429),
+    ] {
+        let r = c.head(g.url(path)).send().await.unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status(), status, "{path}");
+        assert!(r.bytes().await.unwrap().is_empty(), "{path}");
+    }
 }
 
 const LIMITED: &str = "  - name: users

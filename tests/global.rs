@@ -45,11 +45,7 @@ fn on_shared_redis(redis: &RedisServer, name: &str, up: &Upstream, limits: &str)
 
 /// A loopback port nothing listens on: a Redis that is down.
 fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    support::closed_addr().port()
 }
 
 async fn start_n(n: usize, yaml: &str) -> Vec<Gateway> {

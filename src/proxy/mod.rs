@@ -55,8 +55,21 @@ impl Proxy {
 
     pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let id = request_id::ensure(req.headers_mut());
+        let head = req.method() == http::Method::HEAD;
         let mut resp = self.dispatch(req, peer, &id).await;
         resp.headers_mut().insert(&request_id::X_REQUEST_ID, id);
+        if head && !http_body::Body::is_end_stream(resp.body()) {
+            // tollgate's own answers (404, 429, 502…) come with a body. HTTP/1.1 leaves it
+            // unsent after a HEAD by itself; HTTP/2 would send it as DATA frames, which the
+            // client must treat as a protocol error. The head, Content-Length included, stays.
+            if let Some(n) = http_body::Body::size_hint(resp.body()).exact()
+                && !resp.headers().contains_key(http::header::CONTENT_LENGTH)
+            {
+                resp.headers_mut()
+                    .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(n));
+            }
+            resp = resp.map(|_| response::full(Bytes::new()));
+        }
         resp
     }
 

@@ -150,6 +150,15 @@ impl Drop for TempDir {
     }
 }
 
+/// A loopback address nothing listens on (it was free a moment ago): an upstream or a Redis
+/// that is down.
+pub fn closed_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
