@@ -35,6 +35,12 @@ enum Command {
         /// The routes file [default: the one given before `check`, else routes.yaml].
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Shown in the summary instead of server.listen, as `run --listen` would serve.
+        #[arg(long, value_parser = |s: &str| listen_arg(s, Listener::Proxy))]
+        listen: Option<SocketAddr>,
+        /// Shown in the summary instead of server.admin, as `run --admin` would serve.
+        #[arg(long, value_parser = |s: &str| listen_arg(s, Listener::Admin))]
+        admin: Option<SocketAddr>,
     },
 }
 
@@ -68,9 +74,15 @@ fn main() -> ExitCode {
         // `tollgate --config X check` checks X, not ./routes.yaml.
         // Options may come before the subcommand too (`tollgate --config X check`); given on
         // both sides, the subcommand's win.
-        Some(Command::Check { config }) => {
-            check(&config.or(cli.run.config).unwrap_or_else(default_config))
-        }
+        Some(Command::Check {
+            config,
+            listen,
+            admin,
+        }) => check(
+            &config.or(cli.run.config).unwrap_or_else(default_config),
+            listen.or(cli.run.listen),
+            admin.or(cli.run.admin),
+        ),
         Some(Command::Run(args)) => run(RunArgs {
             config: args.config.or(cli.run.config),
             listen: args.listen.or(cli.run.listen),
@@ -92,9 +104,17 @@ fn default_config() -> PathBuf {
     PathBuf::from("routes.yaml")
 }
 
-fn check(path: &std::path::Path) -> ExitCode {
+/// Validates and summarises the file; `--listen` / `--admin` show in the summary as `run`
+/// would apply them.
+fn check(
+    path: &std::path::Path,
+    listen: Option<SocketAddr>,
+    admin: Option<SocketAddr>,
+) -> ExitCode {
     match tollgate::config::load(path) {
-        Ok(cfg) => {
+        Ok(mut cfg) => {
+            cfg.server.listen = listen.unwrap_or(cfg.server.listen);
+            cfg.server.admin = admin.unwrap_or(cfg.server.admin);
             print!("{}", tollgate::config::summary(&cfg));
             ExitCode::SUCCESS
         }

@@ -120,6 +120,39 @@ fn config_given_before_check_is_the_file_checked() {
     assert_bad_file_refused("cli4", &["--config", "PATH", "check"]);
 }
 
+/// `check` shows the addresses `run` would serve with the same options, wherever they are
+/// written (they used to be ignored before `check` and refused after it).
+#[test]
+fn check_summarises_listen_and_admin_overrides() {
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml");
+    for args in [
+        &[
+            "--listen",
+            "127.0.0.1:21284",
+            "--admin",
+            "21285",
+            "check",
+            "--config",
+            shipped,
+        ][..],
+        &[
+            "check",
+            "--config",
+            shipped,
+            "--listen",
+            "127.0.0.1:21284",
+            "--admin",
+            "21285",
+        ],
+    ] {
+        let out = tollgate().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        let summary = String::from_utf8_lossy(&out.stdout);
+        assert!(summary.contains("listen   127.0.0.1:21284"), "{summary}");
+        assert!(summary.contains("admin    127.0.0.1:21285"), "{summary}");
+    }
+}
+
 #[test]
 fn run_on_a_busy_port_exits_1_naming_the_address_and_the_cause_once() {
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -239,6 +239,27 @@ fn redis_url_without_host() {
     assert_err(&yaml, 2, 8, "has no host");
 }
 
+/// `check` reads a Redis URL as the client will: what it refuses, `check` refuses at the
+/// URL's position (it used to pass them, and `run` then served as if Redis were down).
+#[test]
+fn redis_url_the_client_cannot_read() {
+    for (url, why) in [
+        ("redis://[bad", "InvalidIpv6Address"),
+        ("redis://h:99999", "InvalidPort"),
+        ("redis://h:6379/db", "does not parse"),
+    ] {
+        let yaml = lines(&["redis:", &format!("  url: \"{url}\"")]);
+        assert_err(&yaml, 2, 8, why);
+    }
+    let yaml = lines(&[
+        "redis:",
+        "  cluster:",
+        "    - redis://a:7000",
+        "    - \"redis://b:70000\"",
+    ]);
+    assert_err(&yaml, 4, 7, "InvalidPort");
+}
+
 #[test]
 fn redis_on_error_keyword() {
     let yaml = lines(&["redis:", "  url: redis://a", "  on_error: maybe"]);

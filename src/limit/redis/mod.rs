@@ -276,19 +276,24 @@ fn timed_out(client: &fred::clients::Client) -> RedisError {
     }
 }
 
+/// A Redis URL as the client will read it, or why it cannot be read. Config validation calls
+/// this too, so a URL that `check` accepts is one `run` can use.
+pub fn parse_url(url: &str) -> Result<Config, String> {
+    // fred reads any scheme as a plain server; a typo like http:// must not pass.
+    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+    if !scheme.is_some_and(|s| REDIS_SCHEMES.contains(&s)) {
+        return Err(format!(
+            "expected one of {}",
+            REDIS_SCHEMES.map(|s| format!("{s}://")).join(", ")
+        ));
+    }
+    Config::from_url(url).map_err(|e| e.details().to_string())
+}
+
 fn fred_config(target: &RedisTarget) -> Result<Config, RedisError> {
     let parse = |url: &str| {
-        // fred reads any scheme as a plain server; a typo like http:// must not pass.
-        let scheme = url.split_once("://").map(|(scheme, _)| scheme);
-        if !scheme.is_some_and(|s| REDIS_SCHEMES.contains(&s)) {
-            return Err(RedisError::Connection(format!(
-                "invalid redis url {url:?}: expected one of {}",
-                REDIS_SCHEMES.map(|s| format!("{s}://")).join(", ")
-            )));
-        }
-        Config::from_url(url).map_err(|e| {
-            RedisError::Connection(format!("invalid redis url {url:?}: {}", e.details()))
-        })
+        parse_url(url)
+            .map_err(|why| RedisError::Connection(format!("invalid redis url {url:?}: {why}")))
     };
     match target {
         RedisTarget::Single(url) => parse(url),
