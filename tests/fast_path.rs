@@ -636,3 +636,78 @@ async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
         }
     }
 }
+
+/// What RFC 9112 has a server refuse or read in a particular way, on both paths alike: the
+/// `Host` rules of §3.2 (400 without one on HTTP/1.1, with two, or with one that is not a
+/// host), the absolute form's authority before `Host` (§3.2.2), paths no upstream can read as
+/// tollgate does (a `%` without two hex digits, an escaped NUL), an oversized head (431, as
+/// Envoy's 60 KiB limit), and an `h2c` upgrade, which is not passed on.
+#[tokio::test]
+async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
+    let up = Upstream::start().await;
+    let routes = format!(
+        "  - name: by-host\n    match: {{ path_prefix: /h, host: example.com }}\n    upstream: {u}\n  - name: all\n    upstream: {u}\n",
+        u = up.url()
+    );
+    let base = format!("server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n{routes}");
+    let fast = Gateway::start(&base).await;
+    let general = Gateway::start(&base.replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    let big = format!(
+        "GET /x HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(70_000)
+    );
+    let cases: [(&[u8], u16); 10] = [
+        (b"GET /x HTTP/1.1\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nHost: a b\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nHost: user@h\r\n\r\n", 400),
+        (b"GET /x HTTP/1.0\r\n\r\n", 200),
+        (b"GET /x/%zz HTTP/1.1\r\nHost: h\r\n\r\n", 400),
+        (b"GET /x/a%00 HTTP/1.1\r\nHost: h\r\n\r\n", 400),
+        (b"GET /x/%41 HTTP/1.1\r\nHost: h\r\n\r\n", 200),
+        (big.as_bytes(), 431),
+        (
+            b"GET http://example.com/h HTTP/1.1\r\nHost: other\r\n\r\n",
+            200,
+        ),
+    ];
+    for (path, g) in [("fast", &fast), ("general", &general)] {
+        for (req, want) in cases {
+            let mut c = connect(g).await;
+            c.send(req).await;
+            let r = c.next(false).await;
+            let first = String::from_utf8_lossy(&req[..req.len().min(60)]);
+            assert_eq!(r.status, want, "{path}: {first:?}");
+        }
+        // The absolute form's authority chose the route, and is the Host the upstream sees.
+        let before = g.metrics().await;
+        let mut c = connect(g).await;
+        c.send(b"GET http://example.com/h HTTP/1.1\r\nHost: other\r\n\r\n")
+            .await;
+        let r = c.next(false).await;
+        assert_eq!(r.json()["headers"]["host"], "example.com", "{path}");
+        let after = g.metrics().await;
+        let routed = |m: &str| {
+            support::metric(
+                m,
+                "tollgate_requests_total{route=\"by-host\",status=\"200\"}",
+            )
+            .unwrap_or(0.0)
+        };
+        assert_eq!(routed(&after) - routed(&before), 1.0, "{path}");
+        // An h2c upgrade is served as the plain request it also is; the upstream is not asked
+        // to switch.
+        let mut c = connect(g).await;
+        c.send(b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n").await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, 200, "{path}");
+        let seen = r.json();
+        for field in ["upgrade", "http2-settings", "connection"] {
+            assert!(seen["headers"].get(field).is_none(), "{path}: {seen}");
+        }
+    }
+}

@@ -54,12 +54,12 @@ pub async fn forward(
     let Ok(uri) = uri else {
         return response::bad_request("request target cannot be forwarded");
     };
-    let client_host = parts.headers.get(HOST).cloned().or_else(|| {
-        parts
-            .uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    });
+    // The target's authority first (absolute form, HTTP/2), as routing read it.
+    let client_host = parts
+        .uri
+        .authority()
+        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        .or_else(|| parts.headers.get(HOST).cloned());
     headers::strip_hop_by_hop(&mut parts.headers, upgrade);
     let peer_trusted = rt
         .trusted_proxies

@@ -59,13 +59,115 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     }
     if keep_upgrade {
         h.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+        // `Upgrade: websocket, h2c` offers both: only what tollgate passes on is offered on.
+        let offered = h
+            .get_all(UPGRADE)
+            .iter()
+            .any(|v| v.to_str().map_or(true, |s| s.split(',').any(|t| is_h2c(t))));
+        if offered {
+            let kept: Vec<String> = h
+                .get_all(UPGRADE)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|s| s.split(','))
+                .map(str::trim)
+                .filter(|t| !t.is_empty() && !is_h2c(t))
+                .map(str::to_owned)
+                .collect();
+            match HeaderValue::from_str(&kept.join(", ")) {
+                Ok(v) if !kept.is_empty() => {
+                    h.insert(UPGRADE, v);
+                }
+                _ => {
+                    h.remove(UPGRADE);
+                }
+            }
+        }
     }
 }
 
-/// An HTTP/1.1 request asking to switch protocols (`Connection: upgrade` plus `Upgrade`).
+fn is_h2c(token: &str) -> bool {
+    token.trim().eq_ignore_ascii_case("h2c")
+}
+
+/// The host a request is for: the target's authority when it has one (the absolute form, or
+/// HTTP/2's `:authority`), which RFC 9112 §3.2.2 puts before `Host`; else `Host`. Refused, as
+/// RFC 9112 §3.2 has a server do with 400: an HTTP/1.1 request without `Host`, any HTTP/1.x
+/// request with two, or one whose value is not a host.
+pub fn request_host<'a>(
+    version: http::Version,
+    uri: &'a http::Uri,
+    h: &'a HeaderMap,
+) -> Result<Option<&'a str>, &'static str> {
+    let field = if version <= http::Version::HTTP_11 {
+        let mut all = h.get_all(http::header::HOST).iter();
+        let first = all.next();
+        if all.next().is_some() {
+            return Err("more than one Host field");
+        }
+        match first {
+            None if version == http::Version::HTTP_11 => {
+                return Err("an HTTP/1.1 request needs a Host field");
+            }
+            Some(v) if !valid_host(v.as_bytes()) => return Err("the Host field is not a host"),
+            v => v,
+        }
+    } else {
+        h.get(http::header::HOST)
+    };
+    Ok(uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| field.and_then(|v| v.to_str().ok())))
+}
+
+/// Whether a `Host` value is `uri-host [":" port]` (RFC 9110 §7.2; empty is allowed, for a
+/// target without an authority). RFC 9112 §3.2 has a server answer 400 to anything else, and a
+/// value like `a b` or `u@h` would otherwise reach routing, `X-Forwarded-Host` and the upstream.
+pub fn valid_host(h: &[u8]) -> bool {
+    let (host, port) = if let Some(rest) = h.strip_prefix(b"[") {
+        // IP-literal: an IPv6 address (hex digits, colons, an embedded IPv4's dots).
+        let Some(end) = rest.iter().position(|&b| b == b']') else {
+            return false;
+        };
+        if !rest[..end]
+            .iter()
+            .all(|b| b.is_ascii_hexdigit() || b":.".contains(b))
+        {
+            return false;
+        }
+        (&b""[..], &rest[end + 1..])
+    } else {
+        match h.iter().position(|&b| b == b':') {
+            Some(i) => (&h[..i], &h[i..]),
+            None => (h, &b""[..]),
+        }
+    };
+    // reg-name: unreserved, pct-encoded and sub-delims characters (no `@`, `/`, space...).
+    let reg_name = host
+        .iter()
+        .all(|&b| b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(&b));
+    let port_ok = match port {
+        [] => true,
+        [b':', digits @ ..] => digits.iter().all(u8::is_ascii_digit),
+        _ => false,
+    };
+    reg_name && port_ok
+}
+
+/// An HTTP/1.1 request asking to switch protocols (`Connection: upgrade` plus `Upgrade`) to
+/// something other than `h2c`.
+///
+/// `h2c` is a switch of the client's own connection to HTTP/2, which tollgate speaks itself
+/// (prior knowledge); passed on, an upstream that accepts it turns the connection into a raw
+/// tunnel past routing and limits. Such a request is forwarded as the plain HTTP/1.1 request it
+/// also is (the `Upgrade` field dropped as hop-by-hop), as nginx and Envoy do.
 pub fn is_upgrade(version: http::Version, h: &HeaderMap) -> bool {
     version == http::Version::HTTP_11
-        && h.contains_key(http::header::UPGRADE)
+        && h.get_all(UPGRADE).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|s| s.split(',').any(|t| !t.trim().is_empty() && !is_h2c(t)))
+        })
         && h.get_all(CONNECTION).iter().any(|v| {
             v.to_str().is_ok_and(|s| {
                 s.split(',')
@@ -161,6 +263,53 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn host_values_are_a_host_and_an_optional_port() {
+        for ok in [
+            "api.example.com",
+            "api.example.com:8080",
+            "127.0.0.1:80",
+            "[::1]:8080",
+            "[2001:db8::1]",
+            "h:",
+            "",
+            "xn--bcher-kva.example",
+        ] {
+            assert!(valid_host(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "a b", "u@h", "h:80:80", "h:8o", "h/x", "[::1", "[::1]x", "[zz]", "h\t",
+        ] {
+            assert!(!valid_host(bad.as_bytes()), "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_h2c_upgrade_is_not_passed_on_and_is_dropped_from_a_list() {
+        let v11 = http::Version::HTTP_11;
+        let mut h = HeaderMap::new();
+        h.insert(
+            "connection",
+            HeaderValue::from_static("Upgrade, HTTP2-Settings"),
+        );
+        h.insert("upgrade", HeaderValue::from_static("h2c"));
+        h.insert(
+            "http2-settings",
+            HeaderValue::from_static("AAMAAABkAAQAoAAAAAIAAAAA"),
+        );
+        assert!(!is_upgrade(v11, &h));
+        strip_hop_by_hop(&mut h, false);
+        assert!(h.is_empty(), "{h:?}");
+
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("upgrade"));
+        h.insert("upgrade", HeaderValue::from_static("h2c, websocket"));
+        assert!(is_upgrade(v11, &h));
+        strip_hop_by_hop(&mut h, true);
+        assert_eq!(h["upgrade"], "websocket");
+        assert_eq!(h["connection"], "upgrade");
     }
 
     #[test]

@@ -19,7 +19,6 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use http::header::HOST;
 use http::{Request, Response};
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
@@ -28,7 +27,7 @@ use crate::key::{RequestParts, client_ip};
 use crate::limit::clock::SharedClock;
 use crate::limit::{Context, HeaderInfo, Verdict};
 use crate::metrics::{Histogram, Metrics};
-use crate::routing::{has_dot_segment, normalize_path};
+use crate::routing::{normalize_path, path_problem};
 use crate::runtime::{Route, Runtime};
 
 /// The one body type for everything the proxy sends: upstream bodies and its own.
@@ -84,11 +83,14 @@ impl Proxy {
             *req.uri_mut() = uri;
         }
         let rt = self.runtime.load_full();
-        let host = req
-            .headers()
-            .get(HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| req.uri().authority().map(|a| a.as_str()));
+        let host = match headers::request_host(req.version(), req.uri(), req.headers()) {
+            Ok(host) => host,
+            Err(why) => {
+                let resp = response::bad_request(why);
+                rt.unmatched.request(resp.status().as_u16());
+                return timed(resp, started, &rt.unmatched.request_duration);
+            }
+        };
         let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
@@ -112,8 +114,8 @@ impl Proxy {
         peer: SocketAddr,
         id: &http::HeaderValue,
     ) -> Response<Body> {
-        if has_dot_segment(req.uri().path()) {
-            return response::bad_request("dot segments are not allowed in the path");
+        if let Some(why) = path_problem(req.uri().path()) {
+            return response::bad_request(why);
         }
         let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
         let parts = RequestParts {

@@ -129,9 +129,33 @@ pub(crate) fn hex_value(c: u8) -> Option<u8> {
     char::from(c).to_digit(16).map(|d| d as u8)
 }
 
+/// Why a request path is refused with 400, if it is: a dot segment, a `%` that does not start
+/// an escape, or an escaped NUL. The first could match one route's prefix and reach another
+/// path upstream after normalisation; the others are not a path any upstream can mean the same
+/// way as tollgate (nginx refuses them too).
+pub fn path_problem(path: &str) -> Option<&'static str> {
+    if has_dot_segment(path) {
+        return Some("dot segments are not allowed in the path");
+    }
+    if path.contains('%') {
+        let b = path.as_bytes();
+        for (i, _) in path.match_indices('%') {
+            match (b.get(i + 1), b.get(i + 2)) {
+                (Some(&h), Some(&l)) if h.is_ascii_hexdigit() && l.is_ascii_hexdigit() => {
+                    if h == b'0' && l == b'0' {
+                        return Some("the path has an escaped NUL (%00)");
+                    }
+                }
+                _ => return Some("the path has a % that does not start an escape (%XX)"),
+            }
+        }
+    }
+    None
+}
+
 /// Paths with dot segments (plain or percent-encoded) could match one route's prefix and reach
 /// another path upstream after normalisation; they are refused with 400 instead of guessed at.
-pub fn has_dot_segment(path: &str) -> bool {
+fn has_dot_segment(path: &str) -> bool {
     // Cheap on the request path: segments are only looked at when they are short enough to be
     // one or two dots, written plainly or as `%2e` / `%2E`.
     path.split('/').any(|seg| {
@@ -203,6 +227,20 @@ mod tests {
 
     #[test]
     fn dot_segments_are_detected() {
+        assert_eq!(path_problem("/api/%41%2F%7e"), None);
+        assert!(
+            path_problem("/api/%zz")
+                .unwrap()
+                .contains("does not start an escape")
+        );
+        assert!(path_problem("/api/%4").is_some());
+        assert!(path_problem("/api/%").is_some());
+        assert!(path_problem("/api/a%00b").unwrap().contains("NUL"));
+        assert!(
+            path_problem("/api/%2e%2E/x")
+                .unwrap()
+                .contains("dot segments")
+        );
         assert!(has_dot_segment("/api/../admin"));
         assert!(has_dot_segment("/api/%2E%2e/admin"));
         assert!(has_dot_segment("/."));

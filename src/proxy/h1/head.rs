@@ -11,6 +11,7 @@ use std::ops::Range;
 use http::Method;
 
 use super::framing::{Chunked, Framing};
+use crate::proxy::headers::valid_host;
 
 /// Fields in a head the fast path parses; more go to the general path.
 pub const MAX_FIELDS: usize = 64;
@@ -197,7 +198,7 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
         let kind = field.kind;
         match kind {
             Name::Host if head.host.is_none() => head.host = Some(field.value.clone()),
-            // Two Host fields: the general path refuses the request.
+            // Two Host fields: the general path answers 400.
             Name::Host => return ParsedRequest::General,
             Name::RequestId if head.request_id.is_none() => {
                 head.request_id = Some(field.value.clone())
@@ -226,7 +227,13 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
         }
         fields.push(field);
     }
-    if head.connection.upgrade {
+    // No Host, or one that is not a host: the general path answers 400.
+    if head.connection.upgrade
+        || !head
+            .host
+            .as_ref()
+            .is_some_and(|r| valid_host(&buf[r.clone()]))
+    {
         return ParsedRequest::General;
     }
     head.framing = match (length, chunked) {
@@ -399,13 +406,16 @@ mod tests {
             "GET http://x/ HTTP/1.1\r\n\r\n",
             "CONNECT x:443 HTTP/1.1\r\n\r\n",
             "OPTIONS * HTTP/1.1\r\n\r\n",
-            "GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
-            "POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
-            "POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
-            "POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip\r\n\r\n",
+            "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: -1\r\n\r\n",
             "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a b\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: u@h\r\n\r\n",
             "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
             "GARBAGE\r\n\r\n",
         ] {
@@ -421,7 +431,7 @@ mod tests {
             parse_request(b"GET / HTTP/1.1\r\nHost:", &mut Vec::new()),
             ParsedRequest::Partial
         ));
-        assert!(req("GET / HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n").is_some());
+        assert!(req("GET / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: Chunked\r\n\r\n").is_some());
     }
 
     #[test]

@@ -47,7 +47,7 @@ use super::{AbandonGuard, Admission, Body, Proxy, request_id, response};
 use crate::key::{RequestParts, client_ip};
 use crate::limit::HeaderInfo;
 use crate::metrics::RouteMetrics;
-use crate::routing::{has_dot_segment, normalize_path};
+use crate::routing::{normalize_path, path_problem};
 use crate::runtime::{Route, Runtime};
 
 /// Waiting for a request head (idle keep-alive included), as the general path's
@@ -280,8 +280,8 @@ impl Conn {
         rid: &RequestId,
         started: Instant,
     ) -> Step {
-        if has_dot_segment(uri.path()) {
-            let resp = response::bad_request("dot segments are not allowed in the path");
+        if let Some(why) = path_problem(uri.path()) {
+            let resp = response::bad_request(why);
             return self.answer(resp, head, bytes, rid, &route.metrics).await;
         }
         let peer_ip = self.peer.ip();
