@@ -63,7 +63,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
         let offered = h
             .get_all(UPGRADE)
             .iter()
-            .any(|v| v.to_str().map_or(true, |s| s.split(',').any(|t| is_h2c(t))));
+            .any(|v| v.to_str().map_or(true, |s| s.split(',').any(is_h2c)));
         if offered {
             let kept: Vec<String> = h
                 .get_all(UPGRADE)
