@@ -6,7 +6,7 @@
 //! carried over from the previous runtime, so a reload does not hand every client a fresh budget.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -38,6 +38,22 @@ pub struct Upstream {
     pub pool: OnceLock<Arc<crate::proxy::forward::Host>>,
     /// The same for the fast HTTP/1.1 path's raw connections.
     pub raw: OnceLock<Arc<crate::proxy::h1::upstream::Pool>>,
+    /// Until when (ms on [`millis`]'s clock) this upstream counts as down: it refused a
+    /// connection, and the others of its route are tried first until then.
+    down_until: Arc<AtomicU64>,
+}
+
+/// How long an upstream that refused a connection is tried after its route's others: nginx's
+/// `max_fails=1 fail_timeout=10s` default.
+pub const FAIL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Milliseconds since the first call: a clock for the down marks, cheap to compare.
+fn millis() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
 impl Upstream {
@@ -61,7 +77,20 @@ impl Upstream {
             base_path: base.to_owned(),
             pool: OnceLock::new(),
             raw: OnceLock::new(),
+            down_until: Arc::default(),
         }
+    }
+
+    /// Notes that a connection to this upstream failed (nothing was sent).
+    pub fn mark_down(&self) {
+        self.down_until.store(
+            millis() + FAIL_TIMEOUT.as_millis() as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn is_down(&self, now: u64) -> bool {
+        self.down_until.load(Ordering::Relaxed) > now
     }
 
     /// The upstream URI for a request's path and query.
@@ -76,6 +105,9 @@ impl Upstream {
             .build()
     }
 }
+
+/// A request's upstreams in the order to try them (see [`Route::upstream_order`]).
+pub type UpstreamOrder<'a> = smallvec::SmallVec<[&'a Upstream; 4]>;
 
 #[derive(Debug)]
 pub struct Route {
@@ -93,13 +125,27 @@ pub struct Route {
 }
 
 impl Route {
-    /// Round-robin over the route's upstreams.
-    pub fn pick_upstream(&self) -> &Upstream {
+    /// The upstreams to try for one request, in order: round-robin's pick, then the route's
+    /// others after it; those marked down (a refused connection in the last [`FAIL_TIMEOUT`])
+    /// after every other. A request goes on to the next only when it could not connect, so
+    /// nothing of it was sent (nginx's `proxy_next_upstream error`).
+    pub fn upstream_order(&self) -> UpstreamOrder<'_> {
         let n = self.upstreams.len();
+        let mut order = UpstreamOrder::new();
         if n == 1 {
-            return &self.upstreams[0];
+            order.push(&self.upstreams[0]);
+            return order;
         }
-        &self.upstreams[self.next.fetch_add(1, Ordering::Relaxed) % n]
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let now = millis();
+        // Round-robin over the upstreams that are up, so their shares stay even while one is
+        // down; then the down ones.
+        order.extend(self.upstreams.iter().filter(|u| !u.is_down(now)));
+        let up = order.len();
+        order.extend(self.upstreams.iter().filter(|u| u.is_down(now)));
+        let ring = if up > 0 { up } else { n };
+        order[..ring].rotate_left(turn % ring);
+        order
     }
 }
 
@@ -240,5 +286,34 @@ fn settings(rc: &RedisConfig) -> RedisSettings {
         },
         timeout: rc.timeout,
         pool_size: rc.pool_size,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_upstream_marked_down_is_tried_after_the_others() {
+        let yaml = "routes:\n  - name: r\n    upstream: [http://a:1, http://b:1, http://c:1]\n";
+        let config = crate::config::parse_str(std::path::Path::new("t.yaml"), yaml).unwrap();
+        let rt = Runtime::build(config, &Metrics::new(), None);
+        let route = &rt.routes[0];
+        let names = |o: UpstreamOrder<'_>| -> Vec<String> {
+            o.iter().map(|u| u.authority.host().to_owned()).collect()
+        };
+        assert_eq!(names(route.upstream_order()), ["a", "b", "c"]);
+        assert_eq!(names(route.upstream_order()), ["b", "c", "a"]);
+        route.upstreams[1].mark_down();
+        // b, being down, only ever comes last; a and c share the first place evenly.
+        let firsts: Vec<String> = (0..4)
+            .map(|_| {
+                let o = names(route.upstream_order());
+                assert_eq!(o[2], "b");
+                o[0].clone()
+            })
+            .collect();
+        assert_eq!(firsts.iter().filter(|f| *f == "a").count(), 2, "{firsts:?}");
+        assert_eq!(firsts.iter().filter(|f| *f == "c").count(), 2, "{firsts:?}");
     }
 }

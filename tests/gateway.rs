@@ -162,6 +162,49 @@ async fn upstream_list_is_round_robin() {
     assert_eq!(b.hits(), 5);
 }
 
+/// An upstream of a list that refuses connections costs no request a 502: the request goes on
+/// to the next (nothing of it was sent), with a body too, and the refusing one is tried after
+/// the others for a while (nginx's `proxy_next_upstream error`, `max_fails=1 fail_timeout=10s`).
+/// On both HTTP paths.
+#[tokio::test]
+async fn a_request_goes_on_to_the_next_upstream_when_one_refuses_the_connection() {
+    for fast_path in [true, false] {
+        let live = Upstream::named("live").await;
+        let routes = format!(
+            "  - name: all\n    upstream: [http://{}, {}]\n    preserve_host: false\n",
+            closed_addr(),
+            live.url()
+        );
+        let mut config = yaml("", &routes);
+        if !fast_path {
+            config = config.replace(
+                "  admin: 127.0.0.1:0\n",
+                "  admin: 127.0.0.1:0\n  fast_path: false\n",
+            );
+        }
+        let g = Gateway::start(&config).await;
+        let c = client();
+        for i in 0..6 {
+            let r = if i % 2 == 0 {
+                c.get(g.url("/x")).send().await.unwrap()
+            } else {
+                c.post(g.url("/echo")).body("payload").send().await.unwrap()
+            };
+            assert_eq!(r.status(), 200, "fast_path {fast_path}, request {i}");
+            if i % 2 == 1 {
+                let e = echo(r).await;
+                assert_eq!(e["body_len"], 7);
+                // Aimed at the upstream it reached, not the one that refused.
+                assert_eq!(
+                    e["headers"]["host"],
+                    live.url().trim_start_matches("http://")
+                );
+            }
+        }
+        assert_eq!(live.hits(), 6, "fast_path {fast_path}");
+    }
+}
+
 #[tokio::test]
 async fn request_body_streams_before_the_client_finishes() {
     let up = Upstream::start().await;

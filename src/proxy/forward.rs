@@ -34,26 +34,14 @@ pub async fn forward(
     peer: SocketAddr,
     rt: &Runtime,
 ) -> Response<Body> {
-    let upstream = route.pick_upstream();
+    let order = route.upstream_order();
     // The client gets its own protocol version back, whatever the upstream spoke (an HTTP/1.0
     // upstream must not turn a keep-alive HTTP/1.1 client connection into a closing one).
     let client_version = req.version();
     let upgrade = headers::is_upgrade(client_version, req.headers());
-    // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own pool.
-    // CONNECT keeps its authority-form target, which only the general client sends as it is.
-    let plain = !upgrade && upstream.scheme == Scheme::HTTP && req.method() != Method::CONNECT;
     // Taken before the request is consumed: the client side of a protocol switch.
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    let uri = if plain {
-        origin_form(upstream, &parts.uri)
-    } else {
-        let pq = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-        upstream.target(pq)
-    };
-    let Ok(uri) = uri else {
-        return response::bad_request("request target cannot be forwarded");
-    };
     // The target's authority first (absolute form, HTTP/2), as routing read it.
     let client_host = parts
         .uri
@@ -72,19 +60,11 @@ pub async fn forward(
         proxy.proto,
         client_host.as_ref(),
     );
-    match client_host {
-        Some(h) if route.preserve_host => {
-            parts.headers.insert(HOST, h);
-        }
-        // Written by hand on the plain path; the pooled client fills it from the absolute URI.
-        _ if plain => {
-            parts.headers.insert(HOST, upstream.host.clone());
-        }
-        _ => {
-            parts.headers.remove(HOST);
-        }
+    let keep_host = route.preserve_host && client_host.is_some();
+    if let (true, Some(h)) = (keep_host, client_host) {
+        parts.headers.insert(HOST, h);
     }
-    parts.uri = uri;
+    let client_uri = std::mem::take(&mut parts.uri);
     parts.version = Version::HTTP_11;
     // Only a body that is coming can fail; an empty one costs nothing to watch.
     let client_body_failed = Arc::new(AtomicBool::new(false));
@@ -97,27 +77,55 @@ pub async fn forward(
         }
         .boxed()
     };
-    let upstream_req = Request::from_parts(parts, body);
+    let mut upstream_req = Request::from_parts(parts, body);
 
     let started = Instant::now();
-    let result = if plain {
-        tokio::time::timeout(
-            route.timeout,
-            proxy.client.send_plain(upstream, upstream_req, started),
-        )
-        .await
-        .map(|r| r.map(Exchange::Plain))
-    } else {
-        // Boxed: TLS, HTTP/2 and upgrades keep their larger state out of the common path's
-        // future.
-        tokio::time::timeout(
-            route.timeout,
-            Box::pin(proxy.client.request(upstream_req, client_upgrade.is_some())),
-        )
-        .await
-        .map(|r| r.map(Exchange::Other))
-    };
+    let deadline = tokio::time::Instant::from_std(started) + route.timeout;
+    let mut result = None;
+    for (i, upstream) in order.iter().enumerate() {
+        // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own
+        // pool. CONNECT keeps its authority-form target, which only the general client sends
+        // as it is.
+        let plain =
+            !upgrade && upstream.scheme == Scheme::HTTP && upstream_req.method() != Method::CONNECT;
+        if aim(&mut upstream_req, upstream, &client_uri, plain, keep_host).is_err() {
+            return response::bad_request("request target cannot be forwarded");
+        }
+        if !plain {
+            // Boxed: TLS, HTTP/2 and upgrades keep their larger state out of the common path's
+            // future. The request is consumed here: no other upstream is tried after it.
+            let sent = Box::pin(proxy.client.request(upstream_req, client_upgrade.is_some()));
+            result = Some(
+                tokio::time::timeout_at(deadline, sent)
+                    .await
+                    .map(|r| r.map(Exchange::Other)),
+            );
+            break;
+        }
+        let sent = proxy.client.send_plain(upstream, upstream_req, started);
+        match tokio::time::timeout_at(deadline, sent).await {
+            Ok(Err(pool::SendError::Connect(e, back))) => {
+                upstream.mark_down();
+                if i + 1 == order.len() {
+                    result = Some(Ok(Err(e)));
+                    break;
+                }
+                tracing::warn!(route = %route.name, upstream = %upstream.authority, error = %e, "upstream refused the connection: trying the next");
+                upstream_req = *back;
+            }
+            r => {
+                result = Some(r.map(|r| match r {
+                    Ok(resp) => Ok(Exchange::Plain(resp)),
+                    Err(pool::SendError::Sent(e) | pool::SendError::Connect(e, _)) => Err(e),
+                }));
+                break;
+            }
+        }
+    }
     route.metrics.upstream_duration.observe(started.elapsed());
+    let Some(result) = result else {
+        return response::bad_gateway(&route.name);
+    };
     match result {
         Ok(Ok(Exchange::Plain(mut resp))) => {
             headers::strip_hop_by_hop(resp.headers_mut(), false);
@@ -150,6 +158,32 @@ pub async fn forward(
             response::gateway_timeout(&route.name)
         }
     }
+}
+
+/// Points the request at `upstream`: its target (origin form on the plain pool, absolute for
+/// the general client) and, unless the client's `Host` is kept, the upstream's host.
+fn aim(
+    req: &mut Request<Body>,
+    upstream: &Upstream,
+    client_uri: &Uri,
+    plain: bool,
+    keep_host: bool,
+) -> Result<(), http::Error> {
+    *req.uri_mut() = if plain {
+        origin_form(upstream, client_uri)?
+    } else {
+        let pq = client_uri.path_and_query().map_or("/", |pq| pq.as_str());
+        upstream.target(pq)?
+    };
+    if !keep_host {
+        if plain {
+            // Written by hand on the plain path; the general client fills it from the URI.
+            req.headers_mut().insert(HOST, upstream.host.clone());
+        } else {
+            req.headers_mut().remove(HOST);
+        }
+    }
+    Ok(())
 }
 
 /// The client's request body, noting whether reading it failed, so that an exchange it broke

@@ -144,7 +144,7 @@ impl Client {
         upstream: &Upstream,
         req: Request<Body>,
         started: Instant,
-    ) -> Result<Response<Body>, UpstreamError> {
+    ) -> Result<Response<Body>, super::pool::SendError> {
         let host = upstream.pool.get_or_init(|| {
             self.hosts
                 .lock()

@@ -173,7 +173,7 @@ pub async fn send(
     host: &Arc<Host>,
     mut req: Request<Body>,
     started: Instant,
-) -> Result<Response<Body>, UpstreamError> {
+) -> Result<Response<Body>, SendError> {
     for _ in 0..STALE_RETRIES {
         let Some(mut sender) = host.checkout(started) else {
             break;
@@ -182,18 +182,29 @@ pub async fn send(
             Ok(resp) => return Ok(pooled(resp, sender, host)),
             Err(mut e) => match e.take_message() {
                 Some(unsent) => req = unsent,
-                None => return Err(UpstreamError::new(e.into_error())),
+                None => return Err(SendError::Sent(UpstreamError::new(e.into_error()))),
             },
         }
     }
     // Boxed: a new connection is the rare case, and its state would otherwise be part of every
     // request's future.
-    let mut sender = Box::pin(connect(connector, host)).await?;
+    let mut sender = match Box::pin(connect(connector, host)).await {
+        Ok(sender) => sender,
+        Err(e) => return Err(SendError::Connect(e, Box::new(req))),
+    };
     host.start_reaper();
     match sender.try_send_request(req).await {
         Ok(resp) => Ok(pooled(resp, sender, host)),
-        Err(e) => Err(UpstreamError::new(e.into_error())),
+        Err(e) => Err(SendError::Sent(UpstreamError::new(e.into_error()))),
     }
+}
+
+/// Why [`send`] failed.
+pub enum SendError {
+    /// No connection could be made: the request comes back untouched, for another upstream.
+    Connect(UpstreamError, Box<Request<Body>>),
+    /// The request, or part of it, may have gone out.
+    Sent(UpstreamError),
 }
 
 async fn connect(

@@ -149,6 +149,9 @@ enum Failure {
     CutShort,
     BadBody,
     Upstream(io::Error),
+    /// No connection to the upstream: nothing of the request was sent, so another upstream
+    /// of the route may take it.
+    Connect(io::Error),
 }
 
 /// The request id: the client's when sane, else ours.
@@ -383,27 +386,41 @@ impl Conn {
         trusted: bool,
         info: Option<HeaderInfo>,
     ) -> (u16, Step) {
-        let upstream = route.pick_upstream();
-        let pool = self.proxy.client.raw_pool(upstream);
-        self.write_upstream_head(route, upstream, head, bytes, uri, rid, trusted);
         let t0 = Instant::now();
         let mut pump = Pump::default();
-        let result = tokio::time::timeout(
-            route.timeout,
-            exchange(
-                pool,
-                &self.out,
-                &head.method,
-                &mut head.framing,
-                &mut pump,
-                &mut self.client,
-                &mut self.rbuf,
-                &mut self.ubuf,
-                &mut self.ufields,
-                t0,
-            ),
-        )
-        .await;
+        let order = route.upstream_order();
+        let deadline = tokio::time::Instant::from_std(t0) + route.timeout;
+        let mut result = Ok(Err(Failure::Connect(io::ErrorKind::NotFound.into())));
+        let mut pool = self.proxy.client.raw_pool(order[0]);
+        for (i, upstream) in order.iter().enumerate() {
+            pool = self.proxy.client.raw_pool(upstream);
+            self.write_upstream_head(route, upstream, head, bytes, uri, rid, trusted);
+            result = tokio::time::timeout_at(
+                deadline,
+                exchange(
+                    pool,
+                    &self.out,
+                    &head.method,
+                    &mut head.framing,
+                    &mut pump,
+                    &mut self.client,
+                    &mut self.rbuf,
+                    &mut self.ubuf,
+                    &mut self.ufields,
+                    t0,
+                ),
+            )
+            .await;
+            match &result {
+                Ok(Err(Failure::Connect(e))) => {
+                    upstream.mark_down();
+                    if i + 1 < order.len() {
+                        tracing::warn!(route = %route.name, upstream = %upstream.authority, error = %e, "upstream refused the connection: trying the next");
+                    }
+                }
+                _ => break,
+            }
+        }
         route.metrics.upstream_duration.observe(t0.elapsed());
         // Anything but a response head is answered by tollgate itself (or, the client gone,
         // not at all).
@@ -418,7 +435,7 @@ impl Conn {
             Ok(Err(Failure::CutShort)) => {
                 Err((400, response::bad_request("request body cut short")))
             }
-            Ok(Err(Failure::Upstream(e))) => {
+            Ok(Err(Failure::Upstream(e) | Failure::Connect(e))) => {
                 tracing::warn!(route = %route.name, error = %e, "upstream request failed");
                 Err((502, response::bad_gateway(&route.name)))
             }
@@ -823,7 +840,7 @@ async fn exchange(
         };
         let (mut up, reused) = match pooled {
             Some(s) => (s, true),
-            None => (pool.connect().await.map_err(Failure::Upstream)?, false),
+            None => (pool.connect().await.map_err(Failure::Connect)?, false),
         };
         ubuf.clear();
         match up.write(request_head).await {
