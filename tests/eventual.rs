@@ -293,6 +293,49 @@ async fn a_client_moving_to_an_instance_new_to_its_key_finds_its_count_there() {
     );
 }
 
+/// A key an instance holds but has left idle is learned again before its next decision there:
+/// while it was idle the other instances may have admitted any amount, and deciding on the
+/// totals it had would over-admit by all of it (an audit got 41 admitted of a 30 window:
+/// A 10, B 15, then A 16 more on its old view of 10). For every algorithm eventual supports.
+#[tokio::test]
+async fn an_instance_learns_a_key_again_after_leaving_it_idle() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    for algorithm in ["fixed_window", "sliding_window", "gcra"] {
+        let route = format!("idle-{algorithm}").replace('_', "-");
+        // Totals synced within `sync_interval` + `timeout` (150 ms here) are decided on.
+        let yaml = cfg(&redis.url(), &route, algorithm, "30/1d", "50ms", &up.url())
+            .replace("timeout: 1s", "timeout: 100ms");
+        let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+        let c = client();
+        let admitted = |g: &Gateway, n: usize| {
+            let (c, url) = (c.clone(), g.url("/"));
+            async move {
+                let mut ok = 0;
+                for _ in 0..n {
+                    ok += usize::from(c.get(&url).send().await.unwrap().status() == 200);
+                }
+                ok
+            }
+        };
+        let first = admitted(&a, 10).await;
+        // A's sync carries its 10 to Redis; then B, which learns them, admits 15 of its own
+        // and syncs them; A, idle meanwhile, has not looked at the key for many intervals.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let second = admitted(&b, 15).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let third = admitted(&a, 40).await;
+        assert_eq!((first, second), (10, 15), "{algorithm}");
+        assert_eq!(
+            first + second + third,
+            30,
+            "{algorithm}: A admitted {third} after B's {second}"
+        );
+        a.stop().await;
+        b.stop().await;
+    }
+}
+
 /// The TAT (µs, Redis time) of the route's gcra key, when it exists.
 fn tat(redis: &RedisServer, route: &str) -> Option<u64> {
     redis

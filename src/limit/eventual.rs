@@ -20,8 +20,9 @@
 //! Bound: for keys every instance already syncs, an instance can only be unaware of what the
 //! others admitted since their last push, so with N instances the total admitted in a window is
 //! at most `COUNT` plus what the other N − 1 instances admit within one `sync_interval`. A key an
-//! instance does not hold (never seen, or idle for two periods) is learned from Redis before
-//! its first decision there (one round trip, `sync.lua` with nothing to push), so a client
+//! instance does not hold (never seen), or holds with totals older than `sync_interval` + the
+//! Redis timeout (it was idle here: keys in use are synced every interval), is learned from
+//! Redis before its next decision there (one round trip, `sync.lua` with nothing to push), so a client
 //! moving between instances finds its count, not a fresh budget. If that pull fails (Redis
 //! down), the key is decided from this instance's own counts until a sync succeeds: the
 //! ceiling is then N × `COUNT` (see the README).
@@ -55,6 +56,13 @@ struct Counts {
     /// its last decision): this instance's TAT, in Redis time: the TAT learned at the last
     /// sync with the units admitted here since then on top. 0 for the window algorithms.
     tat: Micros,
+    /// When the totals were last learned from Redis (Redis time; 0: never). A key this
+    /// instance holds but has not synced for a while (it was idle here) is learned again
+    /// before its next decision: meanwhile the other instances may have admitted any amount.
+    synced: Micros,
+    /// When a request or a sync last began to pull the totals (Redis time; 0: never),
+    /// whether or not it got them.
+    tried: Micros,
 }
 
 impl Counts {
@@ -82,6 +90,13 @@ impl Counts {
     /// for gcra at least until its TAT is reached (the bucket is full again).
     fn expires(&self, period: Micros) -> Micros {
         (self.ws + 2 * period).max(self.tat)
+    }
+
+    /// Whether the totals were learned from Redis, or a pull of them tried, within
+    /// `fresh_for` of `now`.
+    fn fresh(&self, now: Micros, fresh_for: Micros) -> bool {
+        let last = self.synced.max(self.tried);
+        last != 0 && now.saturating_sub(last) <= fresh_for
     }
 
     /// Takes `cost` units at `now` (0: only marks the key for the next sync).
@@ -159,6 +174,8 @@ pub struct LearnGuard<'a> {
     period: Micros,
     /// Ends only this lead: after it outlived its wait another request may lead.
     token: u32,
+    /// When the pull was begun (Redis time).
+    started: Micros,
 }
 
 impl LearnGuard<'_> {
@@ -177,8 +194,12 @@ impl Drop for LearnGuard<'_> {
                 .is_some_and(|c| c.lead == self.token)
             {
                 let period = self.period;
+                let started = self.started;
                 shard.update(hash, &self.key, 0, Counts::default, |c, _| {
                     c.lead = 0;
+                    // Learned or not (Redis down), the next pull waits `fresh_for`: an outage
+                    // costs one attempt per key and interval, not one per request.
+                    c.tried = c.tried.max(started);
                     c.expires(period)
                 });
             }
@@ -231,27 +252,29 @@ impl EventualStore {
         (local_now as i64 + self.offset.load(Ordering::Relaxed)).max(0) as Micros
     }
 
-    /// Whether this instance holds counts for `key` (it decided on it or learned its totals
-    /// within the last two periods), so it is being synced.
-    pub fn knows(&self, key: &[u8], local_now: Micros) -> bool {
+    /// Whether this instance holds counts for `key` learned from Redis within `fresh_for`
+    /// (a key in use here is synced every `sync_interval`, so it stays fresh), so a decision
+    /// can go on what it holds.
+    pub fn knows(&self, key: &[u8], local_now: Micros, fresh_for: Micros) -> bool {
         let now = self.redis_now(local_now);
         let hash = self.map.hash(key);
         self.map
             .lock(hash)
             .get(hash, key, now)
-            .is_some_and(|c| c.lead == 0)
+            .is_some_and(|c| c.lead == 0 && c.fresh(now, fresh_for))
     }
 
-    /// For a key this instance does not hold, elects one request to learn its totals from
-    /// Redis; concurrent requests for it follow, so a burst on a new key costs one round trip,
-    /// not one per request. A lead that never ends (its request hung) stops blocking others
-    /// after `wait`.
+    /// For a key this instance does not hold, or holds with totals older than `fresh_for`,
+    /// elects one request to learn its totals from Redis; concurrent requests for it follow, so
+    /// a burst on such a key costs one round trip, not one per request. A lead that never ends
+    /// (its request hung) stops blocking others after `wait`.
     pub fn begin_learn(
         &self,
         algorithm: &Algorithm,
         key: &[u8],
         local_now: Micros,
         wait: Micros,
+        fresh_for: Micros,
     ) -> Learn<'_> {
         let now = self.redis_now(local_now);
         let p = period(algorithm);
@@ -259,8 +282,8 @@ impl EventualStore {
         let mut shard = self.map.lock(hash);
         match shard.get(hash, key, now) {
             Some(c) if c.lead != 0 => return Learn::Follow,
-            Some(_) => return Learn::Known,
-            None => {}
+            Some(c) if c.fresh(now, fresh_for) => return Learn::Known,
+            _ => {}
         }
         let token = self
             .leads
@@ -276,13 +299,23 @@ impl EventualStore {
                 lead: token,
                 ..Counts::default()
             },
-            |_, _| now + wait.max(1),
+            // A stale key keeps its counts (units not pushed yet among them) and its lifetime.
+            |c, live| {
+                c.lead = token;
+                let lead_ends = now + wait.max(1);
+                if live {
+                    c.expires(p).max(lead_ends)
+                } else {
+                    lead_ends
+                }
+            },
         );
         Learn::Lead(LearnGuard {
             store: self,
             key: key.to_vec(),
             period: p,
             token,
+            started: now,
         })
     }
 
@@ -422,6 +455,9 @@ impl EventualStore {
         self.map.for_each_live(now, |key, c| {
             if c.touched || c.own_curr > 0 || c.own_prev > 0 {
                 c.touched = false;
+                // Being synced: its totals come with this sync, so no request needs to pull
+                // them meanwhile (nor, Redis down, to wait for a pull that cannot answer).
+                c.tried = c.tried.max(now);
                 out.push(SyncItem {
                     key: key.to_vec(),
                     ws: c.ws,
@@ -461,6 +497,7 @@ impl EventualStore {
             },
             |c, _| {
                 c.lead = 0;
+                c.synced = server_now.max(1);
                 if let Algorithm::Gcra(g) = algorithm {
                     // totals.0 is Redis's TAT with this push in it. Units admitted here since
                     // the push was taken go back on top, as sync_gcra.lua would charge them
@@ -476,6 +513,11 @@ impl EventualStore {
                     };
                     c.tat = c.tat.max(learned);
                     return c.expires(p);
+                }
+                if c.ws < item.ws {
+                    // A key learned again after an idle spell: its counts move to the window
+                    // the pull read, as its next decision would move them.
+                    c.roll(item.ws, p);
                 }
                 if c.ws == item.ws {
                     c.known_curr = totals.0;
@@ -523,42 +565,97 @@ mod tests {
         }));
         let ev = EventualStore::default();
         let now = 5_000_000;
-        assert!(!ev.knows(b"k", now));
-        let lead = ev.begin_learn(&alg, b"k", now, 50_000);
+        assert!(!ev.knows(b"k", now, 100_000));
+        let lead = ev.begin_learn(&alg, b"k", now, 50_000, 100_000);
         assert!(matches!(lead, Learn::Lead(_)));
         assert!(matches!(
-            ev.begin_learn(&alg, b"k", now, 50_000),
+            ev.begin_learn(&alg, b"k", now, 50_000, 100_000),
             Learn::Follow
         ));
-        assert!(!ev.knows(b"k", now), "not decided on while being learned");
+        assert!(
+            !ev.knows(b"k", now, 100_000),
+            "not decided on while being learned"
+        );
         // Learned: the totals are what the instance decides with.
         let item = SyncItem::pull(b"k", ev.window(&alg, now));
         let server_now = ev.redis_now(now);
         ev.apply(&alg, &item, (7, 0), server_now, now, now);
         drop(lead);
-        assert!(ev.knows(b"k", now));
+        assert!(ev.knows(b"k", now, 100_000));
         assert!(matches!(
-            ev.begin_learn(&alg, b"k", now, 50_000),
+            ev.begin_learn(&alg, b"k", now, 50_000, 100_000),
             Learn::Known
         ));
         assert_eq!(ev.peek(&alg, b"k", now).remaining, 3);
-        // A lead dropped without an answer (Redis down) leaves the key decided on own counts.
-        let lead = ev.begin_learn(&alg, b"j", now, 50_000);
+        // Not synced for longer than `fresh_for` (idle here): learned again, its counts kept
+        // meanwhile, and the new totals are what it then decides with.
+        assert!(ev.knows(b"k", now + 100_000, 100_000));
+        let later = now + 100_001;
+        assert!(!ev.knows(b"k", later, 100_000));
+        let lead = ev.begin_learn(&alg, b"k", later, 50_000, 100_000);
+        assert!(matches!(lead, Learn::Lead(_)));
+        assert_eq!(ev.peek(&alg, b"k", later).remaining, 3);
+        let item = SyncItem::pull(b"k", ev.window(&alg, later));
+        ev.apply(&alg, &item, (9, 0), ev.redis_now(later), later, later);
         drop(lead);
-        assert!(ev.knows(b"j", now));
+        assert!(ev.knows(b"k", later, 100_000));
+        assert_eq!(ev.peek(&alg, b"k", later).remaining, 1);
+        // A lead dropped without an answer (Redis down) leaves the key decided on own counts;
+        // it is tried again only once `fresh_for` has passed (one attempt per interval in an
+        // outage, not one per request).
+        let lead = ev.begin_learn(&alg, b"j", now, 50_000, 100_000);
+        drop(lead);
+        assert!(ev.knows(b"j", now + 100_000, 100_000));
+        assert!(!ev.knows(b"j", now + 100_001, 100_000));
         assert_eq!(ev.peek(&alg, b"j", now).remaining, 10);
         // A lead that outlived its wait ends only itself, not the lead that took over.
-        let stale = ev.begin_learn(&alg, b"m", now, 50_000);
+        let stale = ev.begin_learn(&alg, b"m", now, 50_000, 100_000);
         let later = now + 60_000;
-        let current = ev.begin_learn(&alg, b"m", later, 50_000);
+        let current = ev.begin_learn(&alg, b"m", later, 50_000, 100_000);
         assert!(matches!(current, Learn::Lead(_)));
         drop(stale);
         assert!(matches!(
-            ev.begin_learn(&alg, b"m", later, 50_000),
+            ev.begin_learn(&alg, b"m", later, 50_000, 100_000),
             Learn::Follow
         ));
         drop(current);
-        assert!(ev.knows(b"m", later));
+        assert!(ev.knows(b"m", later, 100_000));
+    }
+
+    /// A key learned again after more than a window of idleness: its counts move to the
+    /// window the pull read.
+    #[test]
+    fn a_key_learned_again_in_a_later_window_takes_that_windows_totals() {
+        let alg = Algorithm::FixedWindow(FixedWindow::new(Quota {
+            count: 10,
+            period: 1_000_000,
+            burst: 10,
+        }));
+        let ev = EventualStore::default();
+        let now = 5_000_000;
+        let lead = ev.begin_learn(&alg, b"k", now, 50_000, 100_000);
+        ev.apply(
+            &alg,
+            &SyncItem::pull(b"k", ev.window(&alg, now)),
+            (7, 0),
+            ev.redis_now(now),
+            now,
+            now,
+        );
+        drop(lead);
+        let next = now + 1_000_000;
+        let lead = ev.begin_learn(&alg, b"k", next, 50_000, 100_000);
+        assert!(matches!(lead, Learn::Lead(_)));
+        ev.apply(
+            &alg,
+            &SyncItem::pull(b"k", ev.window(&alg, next)),
+            (4, 7),
+            ev.redis_now(next),
+            next,
+            next,
+        );
+        drop(lead);
+        assert_eq!(ev.peek(&alg, b"k", next).remaining, 6);
     }
 
     /// gcra: units admitted while a sync is in flight stay on top of the TAT Redis returns, and

@@ -137,6 +137,15 @@ impl Limit {
     /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`, or
     /// `sync_gcra.lua`): pushes its unpushed units, learns the window totals (gcra: the TAT).
     /// On failure the units stay for the next sync.
+    /// How old an eventual key's totals may be for a decision to go on them: a key in use is
+    /// synced every `sync_interval`, and a sync takes up to the Redis timeout (a failed one
+    /// too, Redis down: the key then stays decided on what this instance holds). Older (the
+    /// key was idle here while other instances may have admitted on it), it is learned again
+    /// before the decision.
+    fn fresh_for(&self, cx: &Context<'_>) -> Micros {
+        self.sync_interval + micros(cx.probe_wait)
+    }
+
     pub async fn sync_eventual(
         &self,
         redis: &RedisStore,
@@ -386,7 +395,7 @@ impl LimitSet {
                 let l = &self.limits[i];
                 l.eventual
                     .as_ref()
-                    .is_some_and(|ev| !ev.knows(&keys[s..e], cx.now))
+                    .is_some_and(|ev| !ev.knows(&keys[s..e], cx.now, l.fresh_for(cx)))
             };
             if spans.iter().any(|sp| new(&sp)) {
                 Box::pin(self.learn_eventual(&keys, &spans, new, redis, cx)).await;
@@ -470,7 +479,7 @@ impl LimitSet {
         for &(i, s, e) in spans.iter().filter(new) {
             let l = &self.limits[i];
             let Some(ev) = &l.eventual else { continue };
-            match ev.begin_learn(&l.algorithm, &keys[s..e], cx.now, wait) {
+            match ev.begin_learn(&l.algorithm, &keys[s..e], cx.now, wait, l.fresh_for(cx)) {
                 eventual::Learn::Known => {}
                 eventual::Learn::Lead(guard) => leads.push((l, ev, guard)),
                 eventual::Learn::Follow => follows.push((ev, &keys[s..e])),
