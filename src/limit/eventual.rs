@@ -565,6 +565,17 @@ mod tests {
         }));
         let ev = EventualStore::default();
         let now = 5_000_000;
+        // Redis's clock as a first sync reply sets it: 0.2 s into a window, so the steps below
+        // (up to 0.1 s) stay in one window whatever the wall clock says.
+        ev.apply(
+            &alg,
+            &SyncItem::pull(b"clock", 0),
+            (0, 0),
+            7_000_200_000,
+            now,
+            now,
+        );
+        assert_eq!(ev.redis_now(now), 7_000_200_000);
         assert!(!ev.knows(b"k", now, 100_000));
         let lead = ev.begin_learn(&alg, b"k", now, 50_000, 100_000);
         assert!(matches!(lead, Learn::Lead(_)));
