@@ -660,7 +660,7 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
         "GET /x HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n",
         "a".repeat(70_000)
     );
-    let cases: [(&[u8], u16); 10] = [
+    let cases: [(&[u8], u16); 11] = [
         (b"GET /x HTTP/1.1\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\nHost: a b\r\n\r\n", 400),
@@ -673,6 +673,10 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
         (
             b"GET http://example.com/h HTTP/1.1\r\nHost: other\r\n\r\n",
             200,
+        ),
+        (
+            b"GET http://u@example.com/h HTTP/1.1\r\nHost: example.com\r\n\r\n",
+            400,
         ),
     ];
     for (path, g) in [("fast", &fast), ("general", &general)] {

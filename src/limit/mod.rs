@@ -134,9 +134,6 @@ impl Limit {
         self.scope == Scope::Global && self.eventual.is_none()
     }
 
-    /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`, or
-    /// `sync_gcra.lua`): pushes its unpushed units, learns the window totals (gcra: the TAT).
-    /// On failure the units stay for the next sync.
     /// How old an eventual key's totals may be for a decision to go on them: a key in use is
     /// synced every `sync_interval`, and a sync takes up to the Redis timeout (a failed one
     /// too, Redis down: the key then stays decided on what this instance holds). Older (the
@@ -146,6 +143,9 @@ impl Limit {
         self.sync_interval + micros(cx.probe_wait)
     }
 
+    /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`, or
+    /// `sync_gcra.lua`): pushes its unpushed units, learns the window totals (gcra: the TAT).
+    /// On failure the units stay for the next sync.
     pub async fn sync_eventual(
         &self,
         redis: &RedisStore,

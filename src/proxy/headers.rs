@@ -115,10 +115,16 @@ pub fn request_host<'a>(
     } else {
         h.get(http::header::HOST)
     };
-    Ok(uri
-        .authority()
-        .map(|a| a.as_str())
-        .or_else(|| field.and_then(|v| v.to_str().ok())))
+    match uri.authority() {
+        // The absolute form's or HTTP/2's authority, checked as `Host` is: userinfo
+        // (`http://u@h/`) is an error there too (RFC 9110 §4.2.4, RFC 9113 §8.3.1), and would
+        // otherwise choose the route and reach the upstream's `Host`.
+        Some(a) if !valid_host(a.as_str().as_bytes()) => {
+            Err("the request target's authority is not a host")
+        }
+        Some(a) => Ok(Some(a.as_str())),
+        None => Ok(field.and_then(|v| v.to_str().ok())),
+    }
 }
 
 /// Whether a `Host` value is `uri-host [":" port]` (RFC 9110 §7.2; empty is allowed, for a

@@ -403,9 +403,9 @@ mod tests {
     fn what_the_general_path_decides_goes_there() {
         for text in [
             "GET / HTTP/1.0\r\n\r\n",
-            "GET http://x/ HTTP/1.1\r\n\r\n",
-            "CONNECT x:443 HTTP/1.1\r\n\r\n",
-            "OPTIONS * HTTP/1.1\r\n\r\n",
+            "GET http://x/ HTTP/1.1\r\nHost: x\r\n\r\n",
+            "CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n",
+            "OPTIONS * HTTP/1.1\r\nHost: h\r\n\r\n",
             "GET / HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
             "POST / HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
             "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
