@@ -115,6 +115,13 @@ fn check(
         Ok(mut cfg) => {
             cfg.server.listen = listen.unwrap_or(cfg.server.listen);
             cfg.server.admin = admin.unwrap_or(cfg.server.admin);
+            if tollgate::config::same_port(cfg.server.listen, cfg.server.admin) {
+                eprintln!(
+                    "listen {} and admin {} would bind the same port: give them different ports",
+                    cfg.server.listen, cfg.server.admin
+                );
+                return ExitCode::FAILURE;
+            }
             print!("{}", tollgate::config::summary(&cfg));
             ExitCode::SUCCESS
         }

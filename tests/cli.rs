@@ -151,6 +151,21 @@ fn check_summarises_listen_and_admin_overrides() {
         assert!(summary.contains("listen   127.0.0.1:21284"), "{summary}");
         assert!(summary.contains("admin    127.0.0.1:21285"), "{summary}");
     }
+    // Overrides that would collide are refused as `run` would fail on them.
+    let out = tollgate()
+        .args([
+            "check",
+            "--config",
+            shipped,
+            "--listen",
+            "127.0.0.1:21286",
+            "--admin",
+            "21286",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("same port"));
 }
 
 #[test]

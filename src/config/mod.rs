@@ -25,7 +25,7 @@ pub use self::types::{
     OnMissing, PathMatch, Rate, RedisConfig, RedisTarget, RouteConfig, RouteMatch, Scope,
     ServerConfig, UpstreamCa,
 };
-pub use self::validate::{Listener, listen_addr};
+pub use self::validate::{Listener, listen_addr, same_port};
 
 /// A config that cannot be used, with the place to fix it.
 ///

@@ -59,12 +59,7 @@ fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
         listen.unwrap_or(defaults.listen),
         admin.unwrap_or(defaults.admin),
     );
-    if listen.port() == admin.port()
-        && listen.port() != 0
-        && (listen.ip() == admin.ip()
-            || listen.ip().is_unspecified()
-            || admin.ip().is_unspecified())
-    {
+    if same_port(listen, admin) {
         let at = raw.admin.as_ref().or(raw.listen.as_ref()).map_or(TOP, at);
         return Err(Invalid::new(
             at,
@@ -619,4 +614,13 @@ pub(super) fn positive_duration_or(
 
 fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
     usize::try_from(n.value).map_err(|_| Invalid::new(at(n), format!("{} is too large", n.value)))
+}
+
+/// Whether the two listeners would bind one port (port 0 is any free port, never the same).
+pub fn same_port(listen: std::net::SocketAddr, admin: std::net::SocketAddr) -> bool {
+    listen.port() == admin.port()
+        && listen.port() != 0
+        && (listen.ip() == admin.ip()
+            || listen.ip().is_unspecified()
+            || admin.ip().is_unspecified())
 }
