@@ -556,13 +556,17 @@ mod tests {
     use super::*;
     use crate::limit::algorithm::{FixedWindow, Gcra, Quota};
 
-    #[test]
-    fn one_request_learns_a_new_key_and_the_others_follow() {
-        let alg = Algorithm::FixedWindow(FixedWindow::new(Quota {
+    fn ten_per_second() -> Algorithm {
+        Algorithm::FixedWindow(FixedWindow::new(Quota {
             count: 10,
             period: 1_000_000,
             burst: 10,
-        }));
+        }))
+    }
+
+    #[test]
+    fn one_request_learns_a_new_key_and_the_others_follow() {
+        let alg = ten_per_second();
         let ev = EventualStore::default();
         let now = 5_000_000;
         // Redis's clock as a first sync reply sets it: 0.2 s into a window, so the steps below
@@ -637,11 +641,7 @@ mod tests {
     /// window the pull read.
     #[test]
     fn a_key_learned_again_in_a_later_window_takes_that_windows_totals() {
-        let alg = Algorithm::FixedWindow(FixedWindow::new(Quota {
-            count: 10,
-            period: 1_000_000,
-            burst: 10,
-        }));
+        let alg = ten_per_second();
         let ev = EventualStore::default();
         let now = 5_000_000;
         let lead = ev.begin_learn(&alg, b"k", now, 50_000, 100_000);
