@@ -42,12 +42,11 @@ pub async fn forward(
     // Taken before the request is consumed: the client side of a protocol switch.
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    // The target's authority first (absolute form, HTTP/2), as routing read it.
-    let client_host = parts
-        .uri
-        .authority()
-        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        .or_else(|| parts.headers.get(HOST).cloned());
+    // The host routing read (the target's authority first, then `Host`), by the same rule.
+    let client_host = headers::request_host(client_version, &parts.uri, &parts.headers)
+        .ok()
+        .flatten()
+        .and_then(|h| HeaderValue::from_str(h).ok());
     headers::strip_hop_by_hop(&mut parts.headers, upgrade);
     let peer_trusted = rt
         .trusted_proxies

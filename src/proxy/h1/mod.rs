@@ -390,6 +390,7 @@ impl Conn {
         let mut pump = Pump::default();
         let order = route.upstream_order();
         let deadline = tokio::time::Instant::from_std(t0) + route.timeout;
+        // Set by the first try (a route has at least one upstream), replaced by each next one.
         let mut result = Ok(Err(Failure::Connect(io::ErrorKind::NotFound.into())));
         let mut pool = self.proxy.client.raw_pool(order[0]);
         for (i, upstream) in order.iter().enumerate() {
