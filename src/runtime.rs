@@ -316,4 +316,63 @@ mod tests {
         assert_eq!(firsts.iter().filter(|f| *f == "a").count(), 2, "{firsts:?}");
         assert_eq!(firsts.iter().filter(|f| *f == "c").count(), 2, "{firsts:?}");
     }
+
+    /// An eventual limit on a route with a local limit too: requests for one key deciding at
+    /// the same instant on two threads never both pass on its last unit. Every key allows one
+    /// request; both threads send one request per key, in the same order, so they meet on
+    /// thousands of last units. Decided without Redis (no pull, no sync): the instance's own
+    /// counts, which are what the race was about.
+    #[test]
+    fn eventual_and_local_limits_on_one_route_admit_each_unit_once() {
+        use crate::key::RequestParts;
+        use crate::limit::{Context, Verdict, clock::ManualClock};
+
+        let yaml = "redis:\n  url: redis://127.0.0.1:1\nroutes:\n  - name: r\n    upstream: http://a:1\n    limits:\n      - name: ev\n        key: [query:k]\n        algorithm: fixed_window\n        rate: 1/1d\n        consistency: eventual\n      - name: loc\n        key: [query:k]\n        rate: 1000000/1s\n        scope: local\n";
+        let config = crate::config::parse_str(std::path::Path::new("t.yaml"), yaml).unwrap();
+        let metrics = Metrics::new();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let built = rt.block_on(async { Runtime::build(config, &metrics, None) });
+        let limits = &built.routes[0].limits;
+        const KEYS: usize = 20_000;
+        let uris: Vec<http::Uri> = (0..KEYS)
+            .map(|i| format!("/?k={i}").parse().unwrap())
+            .collect();
+        let clock = ManualClock::new(1_000_000);
+        let admitted = std::sync::atomic::AtomicUsize::new(0);
+        let (method, headers) = (http::Method::GET, http::HeaderMap::new());
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .build()
+                        .unwrap();
+                    let cx = Context {
+                        now: 1_000_000,
+                        clock: &clock,
+                        probe_wait: std::time::Duration::from_millis(50),
+                        redis: None,
+                        on_error: OnError::Allow,
+                        allow_delay: true,
+                        metrics: &metrics,
+                    };
+                    for uri in &uris {
+                        let parts = RequestParts {
+                            method: &method,
+                            uri,
+                            headers: &headers,
+                            client_ip: [127, 0, 0, 1].into(),
+                            route: "r",
+                        };
+                        if let Verdict::Admit { .. } = rt.block_on(limits.evaluate(&parts, &cx)) {
+                            admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(admitted.into_inner(), KEYS);
+    }
 }

@@ -35,7 +35,8 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use super::algorithm::{
     Algorithm, GcraState, Micros, Rejection, SlidingState, Snapshot, State, WindowState,
 };
-use super::local::sharded::Sharded;
+use super::local::sharded::{Shard, Sharded};
+use parking_lot::MutexGuard;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Counts {
@@ -230,6 +231,57 @@ impl std::fmt::Debug for EventualStore {
     }
 }
 
+/// One key's counts under its shard's lock, from the check to the charge: requests for the
+/// key deciding at the same instant on this instance cannot each pass on the same units. A
+/// request with local limits too keeps this while they decide (eventual locks are always taken
+/// before local ones, each kind in store-address order, so two requests cannot deadlock).
+pub struct Held<'a> {
+    shard: MutexGuard<'a, Shard<Counts>>,
+    hash: u64,
+    key: &'a [u8],
+    /// Redis time, taken once: check and charge see the same instant.
+    now: Micros,
+    period: Micros,
+}
+
+impl Held<'_> {
+    /// What the limit answers now, charging nothing.
+    pub fn check(&self, algorithm: &Algorithm, cost: u64) -> Result<Snapshot, Rejection> {
+        algorithm.check(&self.state(algorithm), self.now, cost)
+    }
+
+    /// The key's counts rolled to the current window, as algorithm state.
+    fn state(&self, algorithm: &Algorithm) -> State {
+        let (now, p) = (self.now, self.period);
+        let mut c = self
+            .shard
+            .get(self.hash, self.key, now)
+            .copied()
+            .unwrap_or_default();
+        c.roll(now - now % p, p);
+        c.state(algorithm)
+    }
+
+    /// Charges `cost` units (0 for a rejection, which still marks the key for the next sync:
+    /// it needs fresh totals).
+    pub fn charge(&mut self, algorithm: &Algorithm, cost: u64) {
+        let (now, p) = (self.now, self.period);
+        self.shard.update(
+            self.hash,
+            self.key,
+            now,
+            || Counts {
+                ws: now - now % p,
+                ..Counts::default()
+            },
+            |c, _| {
+                c.charge(algorithm, now, cost);
+                c.expires(p)
+            },
+        );
+    }
+}
+
 fn period(algorithm: &Algorithm) -> Micros {
     algorithm.quota().period
 }
@@ -362,27 +414,14 @@ impl EventualStore {
         local_now: Micros,
         cost: u64,
     ) -> Result<Snapshot, Rejection> {
-        let (state, now) = self.state_now(algorithm, key, local_now);
-        algorithm.check(&state, now, cost)
+        self.hold(algorithm, key, local_now).check(algorithm, cost)
     }
 
     /// The key's state as this instance decides it now (learned totals plus its own unpushed
     /// units), for the admin API.
     pub fn peek(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros) -> Snapshot {
-        let (state, now) = self.state_now(algorithm, key, local_now);
-        algorithm.peek(&state, now)
-    }
-
-    /// The key's counts rolled to the current window, as algorithm state, and Redis's now.
-    fn state_now(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros) -> (State, Micros) {
-        let now = self.redis_now(local_now);
-        let p = period(algorithm);
-        let w = now - now % p;
-        let hash = self.map.hash(key);
-        let shard = self.map.lock(hash);
-        let mut c = shard.get(hash, key, now).copied().unwrap_or_default();
-        c.roll(w, p);
-        (c.state(algorithm), now)
+        let held = self.hold(algorithm, key, local_now);
+        algorithm.peek(&held.state(algorithm), held.now)
     }
 
     /// Charges `cost` to `key` (after every limit of the request admitted).
@@ -393,12 +432,11 @@ impl EventualStore {
 
     /// Marks `key` for the next sync (a rejection too: the instance needs fresh totals).
     pub fn touch(&self, algorithm: &Algorithm, key: &[u8], now: Micros, cost: u64) {
-        self.with_counts(algorithm, key, now, |c| c.charge(algorithm, now, cost));
+        self.held_at(algorithm, key, now).charge(algorithm, cost);
     }
 
     /// Checks and, when admitted, charges under one take of the key's lock, so requests
-    /// deciding at the same instant cannot each pass on the same units. For a request whose
-    /// only limit is this one (with several, every limit is checked before any is charged).
+    /// deciding at the same instant cannot each pass on the same units.
     pub fn decide(
         &self,
         algorithm: &Algorithm,
@@ -406,46 +444,29 @@ impl EventualStore {
         local_now: Micros,
         cost: u64,
     ) -> Result<Snapshot, Rejection> {
-        let now = self.redis_now(local_now);
-        let p = period(algorithm);
-        self.with_counts(algorithm, key, now, |c| {
-            let mut view = *c;
-            view.roll(now - now % p, p);
-            let v = algorithm.check(&view.state(algorithm), now, cost);
-            // A rejection is charged nothing but marks the key: it needs fresh totals.
-            c.charge(algorithm, now, if v.is_ok() { cost } else { 0 });
-            v
-        })
+        let mut held = self.hold(algorithm, key, local_now);
+        let v = held.check(algorithm, cost);
+        // A rejection is charged nothing but marks the key: it needs fresh totals.
+        held.charge(algorithm, if v.is_ok() { cost } else { 0 });
+        v
     }
 
-    /// Runs `f` on `key`'s counts (fresh ones when absent or expired) under its shard's lock,
-    /// then keeps the entry as long as the counts need.
-    fn with_counts<R>(
-        &self,
-        algorithm: &Algorithm,
-        key: &[u8],
-        now: Micros,
-        f: impl FnOnce(&mut Counts) -> R,
-    ) -> R {
-        let p = period(algorithm);
+    /// Locks `key`'s counts for a check and a charge that the request's other limits decide
+    /// between (see [`Held`]).
+    pub fn hold<'a>(&'a self, algorithm: &Algorithm, key: &'a [u8], local_now: Micros) -> Held<'a> {
+        self.held_at(algorithm, key, self.redis_now(local_now))
+    }
+
+    /// [`EventualStore::hold`] at Redis time `now`.
+    fn held_at<'a>(&'a self, algorithm: &Algorithm, key: &'a [u8], now: Micros) -> Held<'a> {
         let hash = self.map.hash(key);
-        let mut shard = self.map.lock(hash);
-        let mut out = None;
-        shard.update(
+        Held {
+            shard: self.map.lock(hash),
             hash,
             key,
             now,
-            || Counts {
-                ws: now - now % p,
-                ..Counts::default()
-            },
-            |c, _| {
-                out = Some(f(c));
-                c.expires(p)
-            },
-        );
-        // Not input-dependent: `Shard::update` calls its closure exactly once on every path.
-        out.expect("Shard::update calls its closure")
+            period: period(algorithm),
+        }
     }
 
     /// The keys due for a push/pull, marking them untouched.

@@ -436,21 +436,30 @@ impl LimitSet {
             results.push((i, v.map(|snap| (snap, 0))));
             return self.conclude(&results);
         }
-        // Eventual limits first, checked only: a rejection there needs nothing charged.
-        let mut results = self.check_eventual(keys, spans, cx);
+        // Eventual limits first, their keys held from the check to the charge while the local
+        // limits decide, so all of them are one step (see `eventual::Held` for the lock order).
+        let mut held = self.hold_eventual(keys, spans, cx);
+        let mut results: Results = held
+            .iter()
+            .map(|(i, h)| {
+                let l = &self.limits[*i];
+                (*i, h.check(&l.algorithm, l.cost).map(|snap| (snap, 0)))
+            })
+            .collect();
         if results
             .iter()
             .any(|(i, v)| v.is_err() && !self.limits[*i].shadow)
         {
+            self.charge_eventual(&mut held, &results, false);
+            drop(held);
             self.tiers.local.inc();
             self.tiers.local_duration.observe(started.elapsed());
             return self.conclude(&results);
         }
         let checks = self.local_checks(keys, spans, cx, Limit::is_local);
         let (ok, verdicts) = local::decide(&checks, cx.now);
-        if ok {
-            self.commit_eventual(keys, spans, &results, cx);
-        }
+        self.charge_eventual(&mut held, &results, ok);
+        drop(held);
         self.tiers.local.inc();
         self.tiers.local_duration.observe(started.elapsed());
         let local_idx = spans
@@ -498,6 +507,46 @@ impl LimitSet {
         }
         for (ev, key) in follows {
             ev.wait_learned(key, cx.clock, cx.now + wait).await;
+        }
+    }
+
+    /// The request's eventual keys, locked in store-address order (one order for every
+    /// request), with their limits' indexes in the route's order.
+    fn hold_eventual<'k>(
+        &'k self,
+        keys: &'k [u8],
+        spans: &[Span],
+        cx: &Context<'_>,
+    ) -> SmallVec<[(usize, eventual::Held<'k>); 2]> {
+        let mut order: SmallVec<[(usize, &EventualStore, &'k [u8]); 2]> = spans
+            .iter()
+            .filter_map(|&(i, s, e)| Some((i, self.limits[i].eventual.as_deref()?, &keys[s..e])))
+            .collect();
+        order.sort_unstable_by_key(|(_, ev, _)| std::ptr::from_ref(*ev) as usize);
+        let mut held: SmallVec<[(usize, eventual::Held<'k>); 2]> = order
+            .into_iter()
+            .map(|(i, ev, key)| (i, ev.hold(&self.limits[i].algorithm, key, cx.now)))
+            .collect();
+        held.sort_unstable_by_key(|(i, _)| *i);
+        held
+    }
+
+    /// Charges the held eventual keys whose limit admitted when the request was admitted
+    /// (`admitted`), and marks the ones that rejected for the next sync either way: a
+    /// rejection needs fresh totals.
+    fn charge_eventual(
+        &self,
+        held: &mut [(usize, eventual::Held<'_>)],
+        results: &Results,
+        admitted: bool,
+    ) {
+        for ((i, h), (_, v)) in held.iter_mut().zip(results) {
+            let l = &self.limits[*i];
+            match v {
+                Ok(_) if admitted => h.charge(&l.algorithm, l.cost),
+                Ok(_) => {}
+                Err(_) => h.charge(&l.algorithm, 0),
+            }
         }
     }
 
