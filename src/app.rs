@@ -106,6 +106,7 @@ impl Shared {
         let result = config::load(path);
         match result {
             Ok(mut cfg) => {
+                log_warnings(&cfg);
                 let old = self.proxy.runtime.load_full();
                 keep_listeners(&mut cfg, &old.config, &self.options);
                 let rt = Runtime::build(cfg, &self.proxy.metrics, Some(&old));
@@ -197,6 +198,7 @@ impl App {
             .clone()
             .unwrap_or_else(|| PathBuf::from("routes.yaml"));
         let cfg = config::load(&path)?;
+        log_warnings(&cfg);
         let options = Options {
             config_path: Some(path),
             ..options
@@ -418,5 +420,12 @@ async fn sync_limit(
         if let Err(e) = r {
             shared.proxy.metrics.redis_error(e.kind());
         }
+    }
+}
+
+/// A config's warnings (settings that load but do less than they seem to), one event each.
+fn log_warnings(cfg: &config::Config) {
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
     }
 }

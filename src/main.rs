@@ -122,6 +122,9 @@ fn check(
                 );
                 return ExitCode::FAILURE;
             }
+            for w in &cfg.warnings {
+                eprintln!("{w}");
+            }
             print!("{}", tollgate::config::summary(&cfg));
             ExitCode::SUCCESS
         }

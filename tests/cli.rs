@@ -75,6 +75,35 @@ fn unknown_field_is_refused_by_check_with_its_position() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A setting that loads but does less than it seems to: `check` passes (exit 0, summary on
+/// stdout) and names it on stderr at its line and column.
+#[test]
+fn check_passes_a_file_with_warnings_and_names_them_with_path_line_col() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("warn.yaml");
+    std::fs::write(
+        &path,
+        "routes:\n  - name: a\n    upstream: http://127.0.0.1:1\n    limits:\n      - name: l\n        algorithm: fixed_window\n        rate: 10/1s\n        burst: 5\n",
+    )
+    .unwrap();
+    let out = tollgate()
+        .args(["check", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "{}:8:16: warning: burst applies to gcra only and is ignored: fixed_window admits at most the rate's count per period",
+            path.display()
+        )
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("fixed_window"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn version_prints_the_crate_version() {
     let out = tollgate().arg("--version").output().unwrap();

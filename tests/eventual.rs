@@ -293,6 +293,35 @@ async fn a_client_moving_to_an_instance_new_to_its_key_finds_its_count_there() {
     );
 }
 
+/// `consistency: eventual` on sliding_log (an exact log cannot be merged from counts) loads as
+/// strict, with a warning: two instances share the log in Redis on every decision, so the
+/// window admits exactly COUNT even with a sync interval that would let eventual instances
+/// each spend the whole budget before either pushes.
+#[tokio::test]
+async fn an_eventual_sliding_log_is_decided_strictly_across_instances() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let yaml = cfg(&redis.url(), "log", "sliding_log", "5/1m", "10s", &up.url());
+    let config = tollgate::config::parse_str(std::path::Path::new("routes.yaml"), &yaml).unwrap();
+    assert_eq!(
+        config.warnings.len(),
+        1,
+        "one warning: {:?}",
+        config.warnings
+    );
+    let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+    let c = client();
+    let mut ok = 0;
+    for i in 0..12 {
+        let g = if i % 2 == 0 { &a } else { &b };
+        ok += usize::from(c.get(g.url("/")).send().await.unwrap().status() == 200);
+    }
+    assert_eq!(ok, 5);
+    let s: serde_json::Value = b.admin_json("/admin/limits/log/ev?key=k").await;
+    assert_eq!(s["remaining"], 0, "{s}");
+    assert_ne!(s["store"], "eventual", "{s}");
+}
+
 /// A key an instance holds but has left idle is learned again before its next decision there:
 /// while it was idle the other instances may have admitted any amount, and deciding on the
 /// totals it had would over-admit by all of it (an audit got 41 admitted of a 30 window:

@@ -3,7 +3,9 @@
 //! The cross-field rules exist because each refused combination would run but
 //! not do what it says: a cost no bucket can hold never admits, `delay` on an
 //! algorithm that cannot reserve a future slot cannot wait, `eventual` without
-//! a shared store has nothing to be eventually consistent with.
+//! a shared store has nothing to be eventually consistent with. Combinations that
+//! run and do something well defined, only less than they seem to (a `burst` on a
+//! window algorithm, a `max_delay` without `delay`), load with a warning instead.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -28,6 +30,7 @@ pub(super) fn limit(
     has_redis: bool,
     route: &str,
     seen: &mut HashMap<String, u64>,
+    warnings: &mut Vec<Invalid>,
 ) -> Checked<LimitConfig> {
     let limit_at = at(&raw);
     let raw = raw.value;
@@ -88,13 +91,16 @@ pub(super) fn limit(
     check_precision(algorithm, rate, &rate_text)?;
 
     let burst = match raw.burst {
+        // The spec calls burst "gcra only"; a shared limit block that carries one into a
+        // window algorithm still means the rate, so it loads, and says so.
         Some(b) if algorithm != AlgorithmKind::Gcra => {
-            return Err(Invalid::new(
+            warnings.push(Invalid::new(
                 at(&b),
                 format!(
-                    "burst applies to gcra only: {algorithm} admits at most the rate's count per period; remove burst or use algorithm: gcra"
+                    "warning: burst applies to gcra only and is ignored: {algorithm} admits at most the rate's count per period"
                 ),
             ));
+            rate.count
         }
         Some(b) if b.value == 0 => {
             return Err(Invalid::new(
@@ -160,7 +166,12 @@ pub(super) fn limit(
         None => 1,
     };
 
-    let (on_limit, max_delay) = delay(raw.on_limit.as_ref(), raw.max_delay.as_ref(), algorithm)?;
+    let (on_limit, max_delay) = delay(
+        raw.on_limit.as_ref(),
+        raw.max_delay.as_ref(),
+        algorithm,
+        warnings,
+    )?;
 
     let consistency = match &raw.consistency {
         Some(t) => {
@@ -172,27 +183,36 @@ pub(super) fn limit(
                     ("eventual", Consistency::Eventual),
                 ],
             )?;
-            if consistency == Consistency::Eventual {
-                if algorithm == AlgorithmKind::SlidingLog {
-                    return Err(Invalid::new(
-                        at(t),
-                        "consistency: eventual works with gcra, fixed_window and sliding_window, not sliding_log: an exact log cannot be merged from counts (use consistency: strict)",
-                    ));
-                }
-                if on_limit == OnLimit::Delay {
-                    return Err(Invalid::new(
-                        at(t),
-                        "consistency: eventual cannot hold a reserved slot (a reservation must be taken where every instance sees it): use on_limit: reject or consistency: strict",
-                    ));
-                }
-                if scope != Scope::Global {
-                    return Err(Invalid::new(
-                        at(t),
-                        "eventual needs a shared store: use scope: global (with a `redis` section)",
-                    ));
-                }
+            if consistency == Consistency::Eventual && scope != Scope::Global {
+                return Err(Invalid::new(
+                    at(t),
+                    "eventual needs a shared store: use scope: global (with a `redis` section)",
+                ));
             }
-            consistency
+            // Eventual promises a bound (COUNT plus what the other instances admit in one
+            // interval); deciding every request in Redis keeps it exactly, so a limit eventual
+            // cannot serve loads as strict rather than being refused.
+            let strict_because = match consistency {
+                Consistency::Eventual if algorithm == AlgorithmKind::SlidingLog => {
+                    Some("an exact log cannot be merged from counts")
+                }
+                Consistency::Eventual if on_limit == OnLimit::Delay && !max_delay.is_zero() => {
+                    Some("a reserved slot must be taken where every instance sees it")
+                }
+                _ => None,
+            };
+            match strict_because {
+                Some(why) => {
+                    warnings.push(Invalid::new(
+                        at(t),
+                        format!(
+                            "warning: consistency: eventual is decided as strict for this limit ({why}): every decision goes to Redis"
+                        ),
+                    ));
+                    Consistency::Strict
+                }
+                None => consistency,
+            }
         }
         None => Consistency::Strict,
     };
@@ -250,10 +270,12 @@ fn delay(
     on_limit: Option<&Text>,
     max_delay_text: Option<&Text>,
     algorithm: AlgorithmKind,
+    warnings: &mut Vec<Invalid>,
 ) -> Checked<(OnLimit, Duration)> {
     let max_delay = duration_or(max_delay_text, "max_delay", Duration::ZERO)?;
     let Some(t) = on_limit else {
-        return reject_only(max_delay_text, max_delay);
+        reject_only(max_delay_text, max_delay, warnings);
+        return Ok((OnLimit::Reject, max_delay));
     };
     let on_limit = keyword(
         t,
@@ -261,7 +283,8 @@ fn delay(
         &[("reject", OnLimit::Reject), ("delay", OnLimit::Delay)],
     )?;
     if on_limit == OnLimit::Reject {
-        return reject_only(max_delay_text, max_delay);
+        reject_only(max_delay_text, max_delay, warnings);
+        return Ok((OnLimit::Reject, max_delay));
     }
     if algorithm != AlgorithmKind::Gcra {
         return Err(Invalid::new(
@@ -272,34 +295,28 @@ fn delay(
         ));
     }
     if max_delay.is_zero() {
-        let (pos, msg) = match max_delay_text {
-            Some(m) => (
-                at(m),
-                "max_delay must be longer than 0 with on_limit: delay",
-            ),
-            None => (
-                at(t),
-                "on_limit: delay needs max_delay, the longest a request may wait (e.g. max_delay: 500ms)",
-            ),
-        };
-        return Err(Invalid::new(pos, msg));
+        // The spec's default max_delay is 0s, and "a wait longer than max_delay is rejected":
+        // well defined (every request that would wait is rejected), but surely not meant.
+        warnings.push(Invalid::new(
+            max_delay_text.map_or_else(|| at(t), at),
+            "warning: on_limit: delay with max_delay 0 never waits: a request that would wait is rejected (set max_delay, e.g. 500ms)",
+        ));
     }
     Ok((OnLimit::Delay, max_delay))
 }
 
-/// A non-zero max_delay under `reject` is almost surely a forgotten
-/// `on_limit: delay`; refusing it beats silently not waiting.
-fn reject_only(max_delay_text: Option<&Text>, max_delay: Duration) -> Checked<(OnLimit, Duration)> {
+/// A non-zero max_delay under `reject` is almost surely a forgotten `on_limit: delay`: it
+/// loads (it has no effect), and says so.
+fn reject_only(max_delay_text: Option<&Text>, max_delay: Duration, warnings: &mut Vec<Invalid>) {
     if let Some(m) = max_delay_text.filter(|_| !max_delay.is_zero()) {
-        return Err(Invalid::new(
+        warnings.push(Invalid::new(
             at(m),
             format!(
-                "max_delay {} has no effect with on_limit: reject; add on_limit: delay, or remove max_delay",
+                "warning: max_delay {} has no effect with on_limit: reject (add on_limit: delay to wait)",
                 DurationText(max_delay)
             ),
         ));
     }
-    Ok((OnLimit::Reject, max_delay))
 }
 
 fn key_part(t: &Text) -> Checked<KeyPart> {

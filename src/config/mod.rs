@@ -78,7 +78,11 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
 pub fn parse_str(path: &Path, text: &str) -> Result<Config, ConfigError> {
     let raw = raw::parse(text).map_err(|e| e.in_file(path))?;
     let base = path.parent().unwrap_or(Path::new(""));
-    validate::config(raw, base).map_err(|e| e.in_file(path))
+    let mut warnings = Vec::new();
+    let mut config = validate::config(raw, base, &mut warnings).map_err(|e| e.in_file(path))?;
+    warnings.sort_by_key(|w| (w.at.line, w.at.column));
+    config.warnings = warnings.into_iter().map(|w| w.in_file(path)).collect();
+    Ok(config)
 }
 
 /// A refusal before it knows which file it belongs to.

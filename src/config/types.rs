@@ -26,6 +26,11 @@ pub struct Config {
     pub redis: Option<RedisConfig>,
     /// In file order: the first match wins.
     pub routes: Vec<RouteConfig>,
+    /// Settings that load but do less than they seem to (a `burst` on a window algorithm, a
+    /// `max_delay` under `on_limit: reject`...), each at its line and column with a message
+    /// starting `warning:`. `check` prints them, `run` and reloads log them.
+    #[serde(skip)]
+    pub warnings: Vec<super::ConfigError>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

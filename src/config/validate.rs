@@ -24,7 +24,8 @@ use super::{Invalid, Pos};
 pub(super) type Checked<T> = Result<T, Invalid>;
 
 /// `base` is the directory relative file paths are resolved from (the config file's).
-pub(super) fn config(raw: RawConfig, base: &Path) -> Checked<Config> {
+/// `warnings` collects what loads but does less than it seems to (see [`Config::warnings`]).
+pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -> Checked<Config> {
     let server = raw
         .server
         .map(|s| server(s, base))
@@ -34,12 +35,13 @@ pub(super) fn config(raw: RawConfig, base: &Path) -> Checked<Config> {
     let mut routes = Vec::new();
     let mut seen = HashMap::new();
     for raw_route in raw.routes.unwrap_or_default() {
-        routes.push(route(raw_route, redis.is_some(), &mut seen)?);
+        routes.push(route(raw_route, redis.is_some(), &mut seen, warnings)?);
     }
     Ok(Config {
         server,
         redis,
         routes,
+        warnings: Vec::new(),
     })
 }
 
@@ -323,6 +325,7 @@ fn route(
     raw: Spanned<RawRoute>,
     has_redis: bool,
     seen: &mut HashMap<String, u64>,
+    warnings: &mut Vec<Invalid>,
 ) -> Checked<RouteConfig> {
     let route_at = at(&raw);
     let raw = raw.value;
@@ -357,7 +360,13 @@ fn route(
     let mut limits = Vec::new();
     let mut seen_limits = HashMap::new();
     for raw_limit in raw.limits.unwrap_or_default() {
-        limits.push(limit::limit(raw_limit, has_redis, &name, &mut seen_limits)?);
+        limits.push(limit::limit(
+            raw_limit,
+            has_redis,
+            &name,
+            &mut seen_limits,
+            warnings,
+        )?);
     }
     Ok(RouteConfig {
         name,

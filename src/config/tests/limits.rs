@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::super::{AlgorithmKind, Consistency, KeyPart, OnMissing};
+use super::super::{AlgorithmKind, Consistency, KeyPart, OnLimit, OnMissing};
 use super::{assert_err, ok, with_limit, with_redis_limit};
 
 #[test]
@@ -113,10 +113,31 @@ fn burst_zero() {
     );
 }
 
+/// The warnings a file loads with, as `LINE:COL: message`.
+fn warnings(yaml: &str) -> Vec<String> {
+    ok(yaml)
+        .warnings
+        .iter()
+        .map(|w| format!("{}:{}: {}", w.line, w.column, w.message))
+        .collect()
+}
+
 #[test]
-fn burst_on_other_algorithms() {
-    let yaml = with_limit(&["algorithm: fixed_window", "rate: 10/1s", "burst: 5"]);
-    assert_err(&yaml, 8, 16, "burst applies to gcra only");
+fn burst_on_other_algorithms_loads_with_a_warning_and_is_ignored() {
+    for alg in ["fixed_window", "sliding_window", "sliding_log"] {
+        let yaml = with_limit(&[&format!("algorithm: {alg}"), "rate: 10/1s", "burst: 5"]);
+        assert_eq!(ok(&yaml).routes[0].limits[0].burst, 10, "{alg}");
+        let w = warnings(&yaml);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].starts_with("8:16: warning: burst applies to gcra only and is ignored"),
+            "{w:?}"
+        );
+    }
+    // On gcra it is the bucket's size, and no warning.
+    let yaml = with_limit(&["rate: 10/1s", "burst: 5"]);
+    assert_eq!(ok(&yaml).routes[0].limits[0].burst, 5);
+    assert!(warnings(&yaml).is_empty());
 }
 
 #[test]
@@ -136,30 +157,39 @@ fn delay_needs_gcra() {
 }
 
 #[test]
-fn delay_needs_max_delay() {
-    let yaml = with_limit(&["rate: 10/1s", "on_limit: delay", "max_delay: 0s"]);
-    assert_err(
-        &yaml,
-        8,
-        20,
-        "max_delay must be longer than 0 with on_limit: delay",
-    );
-    let yaml = with_limit(&["rate: 10/1s", "on_limit: delay"]);
-    assert_err(&yaml, 7, 19, "on_limit: delay needs max_delay");
+fn delay_without_max_delay_loads_with_a_warning_and_never_waits() {
+    for (extra, at) in [(&["max_delay: 0s"][..], "8:20"), (&[][..], "7:19")] {
+        let mut lines = vec!["rate: 10/1s", "on_limit: delay"];
+        lines.extend_from_slice(extra);
+        let yaml = with_limit(&lines);
+        let l = &ok(&yaml).routes[0].limits[0];
+        assert_eq!((l.on_limit, l.max_delay), (OnLimit::Delay, Duration::ZERO));
+        let w = warnings(&yaml);
+        assert_eq!(
+            w,
+            [format!(
+                "{at}: warning: on_limit: delay with max_delay 0 never waits: a request that would wait is rejected (set max_delay, e.g. 500ms)"
+            )]
+        );
+    }
+    let yaml = with_limit(&["rate: 10/1s", "on_limit: delay", "max_delay: 1s"]);
+    assert!(warnings(&yaml).is_empty());
 }
 
 #[test]
-fn max_delay_without_delay() {
+fn max_delay_without_delay_loads_with_a_warning() {
     let yaml = with_limit(&["rate: 10/1s", "max_delay: 2s"]);
-    assert_err(
-        &yaml,
-        7,
-        20,
-        "max_delay 2s has no effect with on_limit: reject",
+    assert_eq!(ok(&yaml).routes[0].limits[0].on_limit, OnLimit::Reject);
+    assert_eq!(
+        warnings(&yaml),
+        [
+            "7:20: warning: max_delay 2s has no effect with on_limit: reject (add on_limit: delay to wait)"
+        ]
     );
-    // 0s is what "no delay" looks like written out (the spec's example does it)
+    // 0s is what "no delay" looks like written out (the spec's example does it): no warning.
     let yaml = with_limit(&["rate: 10/1s", "on_limit: reject", "max_delay: 0s"]);
     assert_eq!(ok(&yaml).routes[0].limits[0].max_delay, Duration::ZERO);
+    assert!(warnings(&yaml).is_empty());
 }
 
 #[test]
@@ -169,7 +199,7 @@ fn global_scope_needs_redis() {
 }
 
 #[test]
-fn eventual_takes_gcra_and_the_windows_but_not_the_log_nor_a_delay() {
+fn eventual_the_log_and_a_delay_cannot_keep_loads_as_strict_with_a_warning() {
     // gcra is the default algorithm: an eventual limit that names none is valid.
     let yaml = with_redis_limit(&["rate: 10/1s", "consistency: eventual"]);
     let l = &ok(&yaml).routes[0].limits[0];
@@ -177,19 +207,39 @@ fn eventual_takes_gcra_and_the_windows_but_not_the_log_nor_a_delay() {
         (l.algorithm, l.consistency),
         (AlgorithmKind::Gcra, Consistency::Eventual)
     );
+    assert!(warnings(&yaml).is_empty());
     let yaml = with_redis_limit(&[
         "algorithm: sliding_log",
         "rate: 10/1s",
         "consistency: eventual",
     ]);
-    assert_err(&yaml, 10, 22, "not sliding_log");
+    assert_eq!(
+        ok(&yaml).routes[0].limits[0].consistency,
+        Consistency::Strict
+    );
+    assert_eq!(
+        warnings(&yaml),
+        [
+            "10:22: warning: consistency: eventual is decided as strict for this limit (an exact log cannot be merged from counts): every decision goes to Redis"
+        ]
+    );
     let yaml = with_redis_limit(&[
         "rate: 10/1s",
         "on_limit: delay",
         "max_delay: 1s",
         "consistency: eventual",
     ]);
-    assert_err(&yaml, 11, 22, "eventual cannot hold a reserved slot");
+    let l = &ok(&yaml).routes[0].limits[0];
+    assert_eq!(
+        (l.consistency, l.on_limit, l.max_delay),
+        (Consistency::Strict, OnLimit::Delay, Duration::from_secs(1))
+    );
+    let w = warnings(&yaml);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].starts_with("11:22: warning: consistency: eventual is decided as strict for this limit (a reserved slot"),
+        "{w:?}"
+    );
 }
 
 #[test]

@@ -87,6 +87,8 @@ fn spec_example_parses_to_what_it_says() {
             on_error: OnError::Allow,
             pool_size: 2,
         }),
+        // The spec's own example loads without a warning.
+        warnings: Vec::new(),
         routes: vec![RouteConfig {
             name: "users".into(),
             matcher: RouteMatch {
