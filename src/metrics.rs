@@ -195,7 +195,7 @@ impl Metrics {
         );
         registry.register(
             "tollgate_request_duration_seconds",
-            "Whole request, from routing to the response head",
+            "Whole request, from its head until the response body is sent or the client goes away",
             request_duration.clone(),
         );
         registry.register(

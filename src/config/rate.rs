@@ -44,12 +44,12 @@ const UNITS: [(&str, u64); 5] = [
     ("ms", 1_000),
 ];
 
-const DURATION_HELP: &str = "write an integer with a unit ms, s, m, h or d (50ms, 30s, 1m, 1h, 1d); a bare integer means seconds";
+const DURATION_HELP: &str = "write a number with a unit ms, s, m, h or d (50ms, 30s, 1.5s, 1m, 1h, 1d); a bare number means seconds";
 
-/// `50ms`, `30s`, `1m`, `1h`, `1d`, or a bare integer of seconds.
+/// `50ms`, `30s`, `1.5s`, `1m`, `1h`, `1d`, or a bare number of seconds.
 pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
-    let digits = t.len() - t.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let digits = t.len() - t.trim_start_matches(is_number).len();
     let (number, unit) = t.split_at(digits);
     if number.is_empty() {
         return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));
@@ -77,10 +77,7 @@ pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
             "rate `{text}` admits nothing: the count must be at least 1"
         ));
     }
-    let digits = period.len()
-        - period
-            .trim_start_matches(|c: char| c.is_ascii_digit())
-            .len();
+    let digits = period.len() - period.trim_start_matches(is_number).len();
     let (number, unit) = period.split_at(digits);
     if unit.is_empty() {
         return Err(format!("rate `{text}`: the period needs a unit: {help}"));
@@ -93,16 +90,43 @@ pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
     Ok(Rate { count, period })
 }
 
+/// The characters of a duration's number: digits and one decimal point.
+fn is_number(c: char) -> bool {
+    c.is_ascii_digit() || c == '.'
+}
+
+/// `number` (`30`, `1.5`) of `unit`, in whole milliseconds: a decimal that falls between two
+/// milliseconds (`1.0005s`) is refused rather than rounded.
 fn to_duration(number: &str, unit: &str, text: &str) -> Result<Duration, String> {
     let Some(&(_, micros_per_unit)) = UNITS.iter().find(|(name, _)| *name == unit) else {
         return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));
     };
-    number
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    let digits_only = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !digits_only(fraction) || (number.contains('.') && fraction.is_empty()) {
+        return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));
+    }
+    let too_long = || format!("duration `{text}` is too long");
+    let whole = whole
         .parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(micros_per_unit))
+        .ok_or_else(too_long)?;
+    // A millisecond is at least 1e-8 of any unit: more decimals than 12 say nothing useful.
+    if fraction.len() > 12 {
+        return Err(format!("duration `{text}` has too many decimals"));
+    }
+    let part: u128 = fraction.parse().unwrap_or(0);
+    let scale = 10u128.pow(fraction.len() as u32);
+    let frac_micros = part * u128::from(micros_per_unit);
+    if !frac_micros.is_multiple_of(scale) || !(frac_micros / scale).is_multiple_of(1_000) {
+        return Err(format!("duration `{text}` is finer than a millisecond"));
+    }
+    let frac = u64::try_from(frac_micros / scale).map_err(|_| too_long())?;
+    whole
+        .checked_add(frac)
         .map(Duration::from_micros)
-        .ok_or_else(|| format!("duration `{text}` is too long"))
+        .ok_or_else(too_long)
 }
 
 /// Formats a duration in the largest unit that divides it, the way a person

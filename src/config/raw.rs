@@ -169,7 +169,7 @@ fn plain_message(e: &serde_saphyr::Error) -> String {
     match e.without_snippet() {
         Error::InvalidScalar { ty: "boolean", .. } => return "expected true or false".to_owned(),
         Error::InvalidScalar { ty, .. } if ty.starts_with('u') => {
-            return "expected a whole number, 0 or more".to_owned();
+            return "expected a whole number (digits only: no sign, no fraction)".to_owned();
         }
         Error::Unexpected {
             expected: "sequence start",

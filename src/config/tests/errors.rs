@@ -26,7 +26,12 @@ fn unknown_limit_field() {
 #[test]
 fn wrong_type() {
     let yaml = with_limit(&["rate: 1/s", "burst: many"]);
-    assert_err(&yaml, 7, 16, "expected a whole number, 0 or more");
+    assert_err(
+        &yaml,
+        7,
+        16,
+        "expected a whole number (digits only: no sign, no fraction)",
+    );
     let yaml = lines(&[
         "routes:",
         "  - name: a",
@@ -182,8 +187,48 @@ fn ephemeral_ports_may_repeat() {
 
 #[test]
 fn duration_not_understood() {
-    let yaml = lines(&["server:", "  grace_period: 1.5s"]);
-    assert_err(&yaml, 2, 17, "grace_period: `1.5s` is not a duration");
+    for (bad, why) in [
+        ("1.5.5s", "is not a duration"),
+        ("1.s", "is not a duration"),
+        (".5s", "is not a duration"),
+        ("1m30s", "is not a duration"),
+        ("1.0005s", "is finer than a millisecond"),
+        ("0.0000000000001d", "has too many decimals"),
+    ] {
+        let yaml = lines(&["server:", &format!("  grace_period: {bad}")]);
+        assert_err(&yaml, 2, 17, &format!("`{bad}` {why}"));
+    }
+}
+
+#[test]
+fn decimal_durations_in_whole_milliseconds() {
+    for (text, ms) in [
+        ("1.5s", 1_500),
+        ("0.5s", 500),
+        ("0.25m", 15_000),
+        ("1.5", 1_500),
+        ("2.000ms", 2),
+    ] {
+        let yaml = lines(&["server:", &format!("  grace_period: {text}")]);
+        let cfg = super::parse(&yaml).unwrap();
+        assert_eq!(
+            cfg.server.grace_period,
+            std::time::Duration::from_millis(ms),
+            "{text}"
+        );
+    }
+    let yaml = lines(&[
+        "routes:",
+        "  - name: a",
+        "    upstream: http://127.0.0.1:1",
+        "    limits:",
+        "      - {name: l, rate: 3/1.5s}",
+    ]);
+    let cfg = super::parse(&yaml).unwrap();
+    assert_eq!(
+        cfg.routes[0].limits[0].rate.period,
+        std::time::Duration::from_millis(1_500)
+    );
 }
 
 #[test]

@@ -460,7 +460,8 @@ fn rates_and_durations() {
     assert_eq!(d("1h"), Duration::from_secs(3600));
     assert_eq!(d("1d"), Duration::from_secs(86_400));
     assert_eq!(d("7"), Duration::from_secs(7));
-    for bad in ["", "s", "1.5s", "-1s", "1 s", "1us", "1m30s"] {
+    assert_eq!(d("1.5s"), Duration::from_millis(1_500));
+    for bad in ["", "s", "-1s", "1 s", "1us", "1m30s", "1.0001s"] {
         assert!(parse_duration(bad).is_err(), "{bad:?} accepted");
     }
 }
