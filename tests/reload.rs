@@ -146,6 +146,37 @@ async fn state_of_unchanged_limits_survives_a_reload() {
     assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 429);
 }
 
+/// A file that loads with warnings is applied, and `POST /admin/reload` names them as `check`
+/// does (`PATH:LINE:COL: warning: ...`).
+#[tokio::test]
+async fn a_reload_answers_with_the_new_configs_warnings() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "2/1h")).await;
+    let c = client();
+    let r: serde_json::Value = c
+        .post(g.admin_url("/admin/reload"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r, serde_json::json!({"result": "success", "warnings": []}));
+    let warned = cfg(&up.url(), "2/1h") + "        burst: 5\n";
+    std::fs::write(&g.config_path, warned).unwrap();
+    let r = c.post(g.admin_url("/admin/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(r["result"], "success", "{r}");
+    let w = r["warnings"].as_array().unwrap();
+    assert_eq!(w.len(), 1, "{r}");
+    let want = format!(
+        "{}:11:16: warning: burst applies to gcra only",
+        g.config_path.display()
+    );
+    assert!(w[0].as_str().unwrap().starts_with(&want), "{r}");
+}
+
 #[tokio::test]
 async fn a_changed_listen_address_keeps_the_running_one_and_says_so_in_the_config() {
     let up = Upstream::start().await;

@@ -100,7 +100,20 @@ async fn config(State(shared): State<Arc<Shared>>) -> Response {
 
 async fn reload(State(shared): State<Arc<Shared>>) -> Response {
     match shared.reload().await {
-        Ok(()) => Json(json!({"result": "success"})).into_response(),
+        // The new config's warnings (settings that load but do less than they seem to), as
+        // `check` prints them: whoever reloads sees them without reading the log.
+        Ok(()) => {
+            let warnings: Vec<String> = shared
+                .proxy
+                .runtime
+                .load()
+                .config
+                .warnings
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            Json(json!({"result": "success", "warnings": warnings})).into_response()
+        }
         Err(e) => (
             StatusCode::UNPROCESSABLE_ENTITY,
             Json(json!({"result": "error", "error": e.to_string()})),

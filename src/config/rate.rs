@@ -58,8 +58,8 @@ pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
     to_duration(number, unit, text)
 }
 
-/// `COUNT/PERIOD` where PERIOD is an optional integer and a unit: `100/1m`,
-/// `10/s`, `5/500ms`.
+/// `COUNT/PERIOD` where PERIOD is an optional number and a unit: `100/1m`,
+/// `10/s`, `5/500ms`, `3/1.5s`.
 pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
     let help = "write COUNT/PERIOD, e.g. 100/1m, 10/s or 5/500ms (units ms, s, m, h, d)";
     let Some((count, period)) = text.trim().split_once('/') else {
@@ -102,6 +102,13 @@ fn to_duration(number: &str, unit: &str, text: &str) -> Result<Duration, String>
         return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));
     };
     let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    let fraction = if fraction.is_empty() {
+        fraction
+    } else {
+        // `1.500s` is `1.5s`; an all-zero fraction keeps one digit (`1.0s`).
+        let trimmed = fraction.trim_end_matches('0');
+        if trimmed.is_empty() { "0" } else { trimmed }
+    };
     let digits_only = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
     if whole.is_empty() || !digits_only(fraction) || (number.contains('.') && fraction.is_empty()) {
         return Err(format!("`{text}` is not a duration: {DURATION_HELP}"));

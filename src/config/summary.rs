@@ -163,6 +163,7 @@ fn write_limit(out: &mut String, l: &LimitConfig) {
     }
     let on_limit = match l.on_limit {
         OnLimit::Reject => "reject".to_owned(),
+        OnLimit::Delay if l.max_delay.is_zero() => "delay (max_delay 0s: never waits)".to_owned(),
         OnLimit::Delay => format!("delay up to {}", DurationText(l.max_delay)),
     };
     let consistency = match l.consistency {

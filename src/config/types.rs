@@ -20,7 +20,7 @@ use serde::{Serialize, Serializer};
 use super::rate::DurationText;
 pub use super::rate::Rate;
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Config {
     pub server: ServerConfig,
     pub redis: Option<RedisConfig>,
@@ -31,6 +31,14 @@ pub struct Config {
     /// starting `warning:`. `check` prints them, `run` and reloads log them.
     #[serde(skip)]
     pub warnings: Vec<super::ConfigError>,
+}
+
+/// What runs, not how the file put it: the warnings name its lines, so the same settings
+/// saved from `/admin/config` load back equal.
+impl PartialEq for Config {
+    fn eq(&self, other: &Self) -> bool {
+        self.server == other.server && self.redis == other.redis && self.routes == other.routes
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -217,7 +225,8 @@ pub struct LimitConfig {
     /// Units one request takes; validated to be admissible at least once.
     pub cost: u64,
     pub on_limit: OnLimit,
-    /// Longest wait with `on_limit: delay`; 0 with `reject`.
+    /// Longest wait with `on_limit: delay` (0: never waits). Under `reject` it is what the file
+    /// says and has no effect (the file is loaded with a warning then).
     pub max_delay: Duration,
     /// Count and report, never reject.
     pub shadow: bool,
@@ -227,7 +236,7 @@ pub struct LimitConfig {
 }
 
 /// Field by field as the YAML has them, so the output loads back as a routes.yaml; `burst`
-/// only for gcra (the file refuses it on the other algorithms, where it is just the count).
+/// only for gcra (on the other algorithms it is ignored, with a warning, and holds the count).
 impl Serialize for LimitConfig {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;

@@ -240,6 +240,15 @@ fn eventual_the_log_and_a_delay_cannot_keep_loads_as_strict_with_a_warning() {
         w[0].starts_with("11:22: warning: consistency: eventual is decided as strict for this limit (a reserved slot"),
         "{w:?}"
     );
+    // A delay that never waits reserves nothing: it stays eventual (warned for the delay).
+    let yaml = with_redis_limit(&["rate: 10/1s", "on_limit: delay", "consistency: eventual"]);
+    assert_eq!(
+        ok(&yaml).routes[0].limits[0].consistency,
+        Consistency::Eventual
+    );
+    let w = warnings(&yaml);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("max_delay 0 never waits"), "{w:?}");
 }
 
 #[test]

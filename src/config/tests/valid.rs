@@ -461,6 +461,8 @@ fn rates_and_durations() {
     assert_eq!(d("1d"), Duration::from_secs(86_400));
     assert_eq!(d("7"), Duration::from_secs(7));
     assert_eq!(d("1.5s"), Duration::from_millis(1_500));
+    assert_eq!(d("1.5000000000000s"), Duration::from_millis(1_500));
+    assert_eq!(d("2.0m"), Duration::from_secs(120));
     for bad in ["", "s", "-1s", "1 s", "1us", "1m30s", "1.0001s"] {
         assert!(parse_duration(bad).is_err(), "{bad:?} accepted");
     }
@@ -522,6 +524,29 @@ fn the_config_as_json_is_a_routes_yaml_that_loads_back_to_itself() {
     );
     let back = super::parse(&serde_json::to_string_pretty(&json).unwrap())
         .unwrap_or_else(|e| panic!("{e}\n{json:#}"));
+    assert_eq!(back, cfg);
+}
+
+/// A file that loads with warnings is saved as what runs: loaded back, it is the same config
+/// (burst on a window as its count, eventual-made-strict as strict, delay 0s as written).
+#[test]
+fn a_config_with_warnings_saved_as_json_loads_back_to_what_runs() {
+    let yaml = lines(&[
+        "redis:",
+        "  url: redis://127.0.0.1:6379",
+        "routes:",
+        "  - name: a",
+        "    upstream: http://127.0.0.1:9000",
+        "    limits:",
+        "      - {name: b, algorithm: fixed_window, rate: 10/1s, burst: 5}",
+        "      - {name: m, rate: 10/1s, max_delay: 2s}",
+        "      - {name: d, rate: 10/1s, on_limit: delay}",
+        "      - {name: e, algorithm: sliding_log, rate: 10/1s, consistency: eventual}",
+    ]);
+    let cfg = super::parse(&yaml).unwrap();
+    assert_eq!(cfg.warnings.len(), 4, "{:?}", cfg.warnings);
+    let json = serde_json::to_string_pretty(&cfg).unwrap();
+    let back = super::parse(&json).unwrap_or_else(|e| panic!("{e}\n{json}"));
     assert_eq!(back, cfg);
 }
 
