@@ -317,62 +317,136 @@ mod tests {
         assert_eq!(firsts.iter().filter(|f| *f == "c").count(), 2, "{firsts:?}");
     }
 
+    /// Decides one request for `uri` on `limits` without Redis (eventual limits on this
+    /// instance's own counts); whether it was admitted.
+    fn admitted(
+        limits: &crate::limit::LimitSet,
+        uri: &http::Uri,
+        metrics: &Metrics,
+        clock: &crate::limit::clock::ManualClock,
+        rt: &tokio::runtime::Runtime,
+    ) -> bool {
+        let (method, headers) = (http::Method::GET, http::HeaderMap::new());
+        let cx = crate::limit::Context {
+            now: crate::limit::clock::Clock::now(clock),
+            clock,
+            probe_wait: std::time::Duration::from_millis(50),
+            redis: None,
+            on_error: OnError::Allow,
+            allow_delay: true,
+            metrics,
+        };
+        let parts = crate::key::RequestParts {
+            method: &method,
+            uri,
+            headers: &headers,
+            client_ip: [127, 0, 0, 1].into(),
+            route: "r",
+        };
+        matches!(
+            rt.block_on(limits.evaluate(&parts, &cx)),
+            crate::limit::Verdict::Admit { .. }
+        )
+    }
+
+    /// A route with two eventual limits and a local one, listed in `order` (limit names).
+    fn eventual_route(order: &[&str]) -> Config {
+        let mut yaml = String::from(
+            "redis:\n  url: redis://127.0.0.1:1\nroutes:\n  - name: r\n    upstream: http://a:1\n    limits:\n",
+        );
+        for name in order {
+            let (rate, scope) = match *name {
+                "loc" => ("1000000/1s", "local"),
+                _ => ("1/1d", "global"),
+            };
+            let consistency = if *name == "loc" { "strict" } else { "eventual" };
+            yaml.push_str(&format!(
+                "      - {{name: {name}, key: [query:k], algorithm: fixed_window, rate: {rate}, scope: {scope}, consistency: {consistency}}}\n"
+            ));
+        }
+        crate::config::parse_str(std::path::Path::new("t.yaml"), &yaml).unwrap()
+    }
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     /// An eventual limit on a route with a local limit too: requests for one key deciding at
     /// the same instant on two threads never both pass on its last unit. Every key allows one
     /// request; both threads send one request per key, in the same order, so they meet on
     /// thousands of last units. Decided without Redis (no pull, no sync): the instance's own
-    /// counts, which are what the race was about.
+    /// counts, which are what the race was about (22–31 thousand admitted before the fix).
     #[test]
     fn eventual_and_local_limits_on_one_route_admit_each_unit_once() {
-        use crate::key::RequestParts;
-        use crate::limit::{Context, Verdict, clock::ManualClock};
-
-        let yaml = "redis:\n  url: redis://127.0.0.1:1\nroutes:\n  - name: r\n    upstream: http://a:1\n    limits:\n      - name: ev\n        key: [query:k]\n        algorithm: fixed_window\n        rate: 1/1d\n        consistency: eventual\n      - name: loc\n        key: [query:k]\n        rate: 1000000/1s\n        scope: local\n";
-        let config = crate::config::parse_str(std::path::Path::new("t.yaml"), yaml).unwrap();
         let metrics = Metrics::new();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let built = rt.block_on(async { Runtime::build(config, &metrics, None) });
+        let built = current_thread()
+            .block_on(async { Runtime::build(eventual_route(&["ev", "loc"]), &metrics, None) });
         let limits = &built.routes[0].limits;
         const KEYS: usize = 20_000;
         let uris: Vec<http::Uri> = (0..KEYS)
             .map(|i| format!("/?k={i}").parse().unwrap())
             .collect();
-        let clock = ManualClock::new(1_000_000);
-        let admitted = std::sync::atomic::AtomicUsize::new(0);
-        let (method, headers) = (http::Method::GET, http::HeaderMap::new());
+        let clock = crate::limit::clock::ManualClock::new(1_000_000);
+        let count = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..2 {
                 s.spawn(|| {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .build()
-                        .unwrap();
-                    let cx = Context {
-                        now: 1_000_000,
-                        clock: &clock,
-                        probe_wait: std::time::Duration::from_millis(50),
-                        redis: None,
-                        on_error: OnError::Allow,
-                        allow_delay: true,
-                        metrics: &metrics,
-                    };
+                    let rt = current_thread();
                     for uri in &uris {
-                        let parts = RequestParts {
-                            method: &method,
-                            uri,
-                            headers: &headers,
-                            client_ip: [127, 0, 0, 1].into(),
-                            route: "r",
-                        };
-                        if let Verdict::Admit { .. } = rt.block_on(limits.evaluate(&parts, &cx)) {
-                            admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if admitted(limits, uri, &metrics, &clock, &rt) {
+                            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
                     }
                 });
             }
         });
-        assert_eq!(admitted.into_inner(), KEYS);
+        assert_eq!(count.into_inner(), KEYS);
+    }
+
+    /// A reload that lists a route's eventual limits in another order keeps their stores; a
+    /// request still on the old config and one on the new hold the same eventual keys (and
+    /// then the local one) at once, and must not each wait for the other's.
+    #[test]
+    fn opposite_eventual_limit_orders_across_a_reload_do_not_deadlock() {
+        let metrics = Metrics::new();
+        let (old, new) = current_thread().block_on(async {
+            let old = Runtime::build(eventual_route(&["ev1", "ev2", "loc"]), &metrics, None);
+            let new = Runtime::build(eventual_route(&["loc", "ev2", "ev1"]), &metrics, Some(&old));
+            (old, new)
+        });
+        let (o, n) = (&old.routes[0].limits.limits, &new.routes[0].limits.limits);
+        assert!(Arc::ptr_eq(
+            o[0].eventual.as_ref().unwrap(),
+            n[2].eventual.as_ref().unwrap()
+        ));
+        assert!(Arc::ptr_eq(&o[2].store, &n[0].store));
+        let uri: http::Uri = "/?k=same".parse().unwrap();
+        let clock = crate::limit::clock::ManualClock::new(1_000_000);
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            for rt_limits in [&old.routes[0].limits, &new.routes[0].limits] {
+                let (uri, clock, metrics, done) = (&uri, &clock, &metrics, done.clone());
+                s.spawn(move || {
+                    let rt = current_thread();
+                    for _ in 0..100_000 {
+                        admitted(rt_limits, uri, metrics, clock, &rt);
+                    }
+                    done.send(()).unwrap();
+                });
+            }
+            for _ in 0..2 {
+                if finished
+                    .recv_timeout(std::time::Duration::from_secs(30))
+                    .is_err()
+                {
+                    // The threads cannot be unstuck; end the test process with the verdict.
+                    eprintln!("decisions on the same eventual keys in opposite orders deadlocked");
+                    std::process::exit(1);
+                }
+            }
+        });
     }
 }
