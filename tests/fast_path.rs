@@ -257,6 +257,65 @@ async fn an_upstream_body_that_ends_at_close_is_sent_chunked_and_the_client_conn
     }
 }
 
+/// An upstream answer framed both ways (`Content-Length` and `Transfer-Encoding: chunked`) is
+/// framed by the chunks (RFC 9112 §6.3), and the length is dropped before it is passed on: the
+/// general path kept it, so a client read `Content-Length: 3` and three bytes of "hello",
+/// complete-looking, on a connection kept open.
+#[tokio::test]
+async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths() {
+    let url = support::upstream::raw(&[
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    ])
+    .await;
+    let fast = Gateway::start(&yaml(&url, "")).await;
+    let general = Gateway::start(&yaml(&url, "").replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    for (path, g) in [("fast", &fast), ("general", &general)] {
+        for req in [
+            &b"GET / HTTP/1.1\r\nhost: t\r\n\r\n"[..],
+            b"GET / HTTP/1.0\r\nhost: t\r\n\r\n",
+        ] {
+            let mut c = connect(g).await;
+            c.send(req).await;
+            let r = c.next(false).await;
+            assert_eq!(r.status, 200, "{path}");
+            assert_eq!(r.body, b"hello", "{path} {:?}", r.headers);
+            assert_ne!(r.header("content-length"), Some("3"), "{path}");
+        }
+    }
+}
+
+/// `CONNECT` asks for a tunnel to an address the client names: a reverse proxy does not give
+/// one (it told the client `200 Connection Established`, then closed). 405 on both paths,
+/// whatever the target's form, and nothing reaches the upstream.
+#[tokio::test]
+async fn connect_is_refused_with_405_on_both_paths() {
+    let up = Upstream::start().await;
+    let fast = Gateway::start(&yaml(&up.url(), "")).await;
+    let general = Gateway::start(&yaml(&up.url(), "").replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    for (path, g) in [("fast", &fast), ("general", &general)] {
+        for req in [
+            &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"[..],
+            b"CONNECT /x HTTP/1.1\r\nHost: t\r\n\r\n",
+        ] {
+            let mut c = connect(g).await;
+            c.send(req).await;
+            let r = c.next(false).await;
+            assert_eq!(r.status, 405, "{path}");
+            assert!(r.header("allow").is_some(), "{path}");
+            assert_eq!(r.json()["error"], "method_not_allowed", "{path}");
+        }
+    }
+    assert_eq!(up.hits(), 0);
+}
+
 #[tokio::test]
 async fn requests_the_fast_path_leaves_are_served_by_the_general_path_on_the_same_connection() {
     let up = Upstream::start().await;

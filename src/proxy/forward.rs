@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use http::header::HOST;
 use http::uri::{PathAndQuery, Scheme};
-use http::{HeaderValue, Method, Request, Response, Uri, Version};
+use http::{HeaderValue, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
@@ -83,10 +83,8 @@ pub async fn forward(
     let mut result = None;
     for (i, upstream) in order.iter().enumerate() {
         // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own
-        // pool. CONNECT keeps its authority-form target, which only the general client sends
-        // as it is.
-        let plain =
-            !upgrade && upstream.scheme == Scheme::HTTP && upstream_req.method() != Method::CONNECT;
+        // pool. (CONNECT never gets here: it is refused before routing.)
+        let plain = !upgrade && upstream.scheme == Scheme::HTTP;
         if aim(&mut upstream_req, upstream, &client_uri, plain, keep_host).is_err() {
             return response::bad_request("request target cannot be forwarded");
         }

@@ -4,7 +4,8 @@
 use std::net::IpAddr;
 
 use http::header::{
-    CONNECTION, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING, UPGRADE,
+    CONNECTION, CONTENT_LENGTH, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER,
+    TRANSFER_ENCODING, UPGRADE,
 };
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -53,6 +54,12 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
         {
             present.push(n);
         }
+    }
+    // RFC 9112 §6.3: a message with both is framed by Transfer-Encoding, and a proxy must drop
+    // the Content-Length before passing it on (hyper decodes the chunks but keeps the field;
+    // re-sent as the length, it cut the body short). The body is re-framed on the way out.
+    if present.contains(&&TRANSFER_ENCODING) {
+        h.remove(CONTENT_LENGTH);
     }
     for n in present {
         h.remove(n);

@@ -83,6 +83,11 @@ impl Proxy {
             *req.uri_mut() = uri;
         }
         let rt = self.runtime.load_full();
+        if req.method() == http::Method::CONNECT {
+            let resp = response::connect_not_allowed();
+            rt.unmatched.request(resp.status().as_u16());
+            return timed(resp, started, &rt.unmatched.request_duration);
+        }
         let host = match headers::request_host(req.version(), req.uri(), req.headers()) {
             Ok(host) => host,
             Err(why) => {

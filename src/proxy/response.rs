@@ -41,6 +41,20 @@ pub fn not_found() -> Response<Body> {
     )
 }
 
+/// `CONNECT`: tollgate forwards requests to its routes' upstreams; it is not a tunnel to an
+/// address the client names (nginx and Envoy refuse it unless configured as a forward proxy).
+pub fn connect_not_allowed() -> Response<Body> {
+    let mut r = json(
+        StatusCode::METHOD_NOT_ALLOWED,
+        r#"{"error":"method_not_allowed","message":"CONNECT is not served: tollgate is a reverse proxy, not a tunnel"}"#.into(),
+    );
+    r.headers_mut().insert(
+        http::header::ALLOW,
+        HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, TRACE"),
+    );
+    r
+}
+
 pub fn bad_request(message: &str) -> Response<Body> {
     json(
         StatusCode::BAD_REQUEST,

@@ -177,6 +177,10 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
         return ParsedRequest::General;
     };
+    if method == Method::CONNECT {
+        // Refused there, whatever its target's form.
+        return ParsedRequest::General;
+    }
     let at = offsets(buf);
     let mut head = RequestHead {
         method,
@@ -405,6 +409,7 @@ mod tests {
             "GET / HTTP/1.0\r\n\r\n",
             "GET http://x/ HTTP/1.1\r\nHost: x\r\n\r\n",
             "CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n",
+            "CONNECT /x HTTP/1.1\r\nHost: x\r\n\r\n",
             "OPTIONS * HTTP/1.1\r\nHost: h\r\n\r\n",
             "GET / HTTP/1.1\r\nHost: h\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
             "POST / HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
