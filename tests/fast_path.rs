@@ -288,6 +288,34 @@ async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths()
     }
 }
 
+/// `X_Forwarded_For` and `Transfer_Encoding` reach a CGI-style upstream as the very variables
+/// the dashed fields make (`HTTP_X_FORWARDED_FOR`): a client could forge its address past
+/// tollgate's or frame its body differently there. Dropped on both paths; other names with `_`
+/// pass.
+#[tokio::test]
+async fn underscore_spellings_of_forwarding_and_framing_fields_do_not_reach_the_upstream() {
+    let up = Upstream::start().await;
+    let fast = Gateway::start(&yaml(&up.url(), "")).await;
+    let general = Gateway::start(&yaml(&up.url(), "").replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    for (path, g) in [("fast", &fast), ("general", &general)] {
+        let mut c = connect(g).await;
+        c.send(b"GET /u HTTP/1.1\r\nHost: t\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer_Encoding: chunked\r\nx_real_ip: 6.6.6.6\r\napi_key: k1\r\n\r\n")
+            .await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, 200, "{path}");
+        let h = &r.json()["headers"];
+        for gone in ["x_forwarded_for", "transfer_encoding", "x_real_ip"] {
+            assert!(h.get(gone).is_none(), "{path}: {gone} passed: {h}");
+        }
+        assert_eq!(h["api_key"], "k1", "{path}");
+        assert_eq!(h["x-forwarded-for"], "127.0.0.1", "{path}");
+    }
+}
+
 /// `CONNECT` asks for a tunnel to an address the client names: a reverse proxy does not give
 /// one (it told the client `200 Connection Established`, then closed). 405 on both paths,
 /// whatever the target's form, and nothing reaches the upstream.

@@ -28,6 +28,36 @@ static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
 static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// Fields that frame a message or that tollgate sets, spelled with `-`.
+const FRAMING_AND_FORWARDING: [&str; 10] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-real-ip",
+    "x-request-id",
+];
+
+/// `X_Forwarded_For`, `Transfer_Encoding`…: a name with `_` where one of those has `-`. CGI,
+/// WSGI, Rack and PHP turn both spellings into the same variable (`HTTP_X_FORWARDED_FOR`), so
+/// a client could set through one what tollgate sets or frames by the other: forge its
+/// forwarded address, or have a body framed differently upstream. Never passed on, either way
+/// (nginx drops every name with `_` by default; other names with `_` pass here).
+pub fn underscore_lookalike(name: &[u8]) -> bool {
+    name.contains(&b'_')
+        && FRAMING_AND_FORWARDING.iter().any(|f| {
+            f.len() == name.len()
+                && f.bytes().zip(name).all(|(a, &b)| {
+                    let b = if b == b'_' { b'-' } else { b };
+                    a == b.to_ascii_lowercase()
+                })
+        })
+}
+
 /// Removes the hop-by-hop fields, including every field the `Connection` header names.
 /// `keep_upgrade`: an upgrade being passed through keeps `Connection: upgrade` and `Upgrade`.
 pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
@@ -62,6 +92,15 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
         h.remove(CONTENT_LENGTH);
     }
     for n in present {
+        h.remove(n);
+    }
+    // Standard names never hold `_`; custom ones rarely do, and those are checked.
+    let lookalikes: smallvec::SmallVec<[HeaderName; 1]> = h
+        .keys()
+        .filter(|n| underscore_lookalike(n.as_str().as_bytes()))
+        .cloned()
+        .collect();
+    for n in lookalikes {
         h.remove(n);
     }
     if keep_upgrade {
@@ -276,6 +315,34 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn underscore_spellings_of_framing_and_forwarding_fields_are_dropped() {
+        for bad in [
+            "X_Forwarded_For",
+            "transfer_encoding",
+            "Content_Length",
+            "x-forwarded_host",
+            "X_REAL_IP",
+        ] {
+            assert!(underscore_lookalike(bad.as_bytes()), "{bad}");
+        }
+        for ok in [
+            "api_key",
+            "x_custom",
+            "x-forwarded-for",
+            "host",
+            "x_forwarded_fo",
+        ] {
+            assert!(!underscore_lookalike(ok.as_bytes()), "{ok}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert("x_forwarded_for", HeaderValue::from_static("6.6.6.6"));
+        h.insert("api_key", HeaderValue::from_static("k"));
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("api_key"));
     }
 
     #[test]

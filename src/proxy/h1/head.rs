@@ -63,6 +63,7 @@ pub fn classify(name: &[u8]) -> Name {
         17 if is("x-forwarded-proto") => Name::XForwardedProto,
         18 if is("proxy-authenticate") => Name::HopByHop,
         19 if is("proxy-authorization") => Name::HopByHop,
+        _ if crate::proxy::headers::underscore_lookalike(name) => Name::HopByHop,
         _ => Name::Other,
     }
 }
