@@ -18,6 +18,10 @@ pub const MAX_FIELDS: usize = 64;
 /// Longest head the fast path parses; longer ones go to the general path (which answers 431
 /// past its own limit).
 pub const MAX_HEAD: usize = 16 * 1024;
+/// An upstream response head the fast path reads: as much as the general path's client
+/// (hyper's defaults, 100 fields in about 400 KiB), so both paths pass on the same answers.
+pub const MAX_RESPONSE_FIELDS: usize = 100;
+pub const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
 
 /// The names the proxy acts on; everything else is copied through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,16 +276,34 @@ pub enum ParsedResponse {
 /// the response has no body whatever its fields say.
 pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -> ParsedResponse {
     let mut raw = [httparse::EMPTY_HEADER; MAX_FIELDS];
-    let mut resp = httparse::Response::new(&mut raw);
-    let len = match resp.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD * 4 => {
-            return ParsedResponse::Partial;
+    match parse_response_in(&mut raw, buf, head_request, fields) {
+        // Rare: the room the general path's client gives (hyper's 100 fields), on the heap.
+        Err(httparse::Error::TooManyHeaders) => {
+            let mut raw = vec![httparse::EMPTY_HEADER; MAX_RESPONSE_FIELDS];
+            parse_response_in(&mut raw, buf, head_request, fields)
+                .unwrap_or(ParsedResponse::Invalid)
         }
-        _ => return ParsedResponse::Invalid,
+        Err(_) => ParsedResponse::Invalid,
+        Ok(parsed) => parsed,
+    }
+}
+
+fn parse_response_in<'b>(
+    raw: &mut [httparse::Header<'b>],
+    buf: &'b [u8],
+    head_request: bool,
+    fields: &mut Vec<Field>,
+) -> Result<ParsedResponse, httparse::Error> {
+    let mut resp = httparse::Response::new(raw);
+    let len = match resp.parse(buf)? {
+        httparse::Status::Complete(n) => n,
+        httparse::Status::Partial if buf.len() < MAX_RESPONSE_HEAD => {
+            return Ok(ParsedResponse::Partial);
+        }
+        httparse::Status::Partial => return Ok(ParsedResponse::Invalid),
     };
     let (Some(status), Some(version)) = (resp.code, resp.version) else {
-        return ParsedResponse::Invalid;
+        return Ok(ParsedResponse::Invalid);
     };
     let at = offsets(buf);
     let reason = resp.reason.map_or(0..0, |r| at(r.as_bytes()));
@@ -296,13 +318,17 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
             Name::ContentLength => match (length, parse_length(h.value)) {
                 (None, Some(n)) => length = Some(n),
                 (Some(a), Some(b)) if a == b => {}
-                _ => return ParsedResponse::Invalid,
+                _ => return Ok(ParsedResponse::Invalid),
             },
             Name::TransferEncoding => te = Some(field.value.clone()),
             Name::Connection => connection.read(buf, field.value.clone()),
             _ => {}
         }
         fields.push(field);
+    }
+    if (100..200).contains(&status) || status == 204 {
+        // RFC 9110 §8.6: these carry no Content-Length (an upstream's `0` is not passed on).
+        fields.retain(|f| !matches!(f.kind, Name::ContentLength));
     }
     let no_body = head_request || (100..200).contains(&status) || status == 204 || status == 304;
     let framing = if no_body {
@@ -321,14 +347,14 @@ pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -
         Framing::UntilClose
     };
     let closes = connection.close || (version == 0 && !connection.keep_alive);
-    ParsedResponse::Complete(ResponseHead {
+    Ok(ParsedResponse::Complete(ResponseHead {
         status,
         reason,
         len,
         framing,
         connection,
         closes,
-    })
+    }))
 }
 
 /// Where a slice `httparse` returned lies in `buf`, as offsets.
