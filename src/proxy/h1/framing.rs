@@ -1,6 +1,7 @@
 //! Where a message body ends, found without decoding it: the fast path forwards a body's bytes
 //! exactly as they came (chunk sizes, extensions and trailers included), so all it needs is to
-//! know which of the bytes it holds still belong to the body.
+//! know which of the bytes it holds still belong to the body. Since the bytes go on as they
+//! came, the scanner accepts only what a stricter parser behind it would read the same way.
 
 /// How a message's body is delimited (RFC 9112 §6.3).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,6 +43,13 @@ pub struct BadChunk;
 
 /// A chunk size this large is a client trying something: 2^60 bytes is beyond any real body.
 const MAX_CHUNK: u64 = 1 << 60;
+/// Digits of one chunk size, leading zeros included (a u64 in hex; hyper's bound too).
+const MAX_SIZE_DIGITS: u8 = 16;
+/// Bytes of extensions on one chunk-size line, and of the whole trailer section. The bytes
+/// pass to the upstream as they came, so what tollgate accepts must be what any parser
+/// behind it reads the same way: bounded, and without control bytes.
+const MAX_EXT: u32 = 4096;
+const MAX_TRAILERS: u32 = 16 * 1024;
 
 /// Tracks a chunked body (RFC 9112 §7.1) through any split of its bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +57,10 @@ pub struct Chunked {
     state: State,
     /// The chunk size being read, then the data bytes left in the chunk.
     n: u64,
+    /// Digits of the size being read.
+    digits: u8,
+    /// Extension bytes on this size line; trailer bytes so far.
+    extra: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +68,9 @@ enum State {
     /// First digit of a chunk size.
     SizeStart,
     Size,
-    /// Extensions (or whitespace) after the size, up to CR.
+    /// Whitespace after the size: more of it, `;` or CR may follow (as hyper reads it).
+    SizeWs,
+    /// Extensions after `;`, up to CR.
     Ext,
     SizeLf,
     Data,
@@ -84,6 +98,8 @@ impl Chunked {
         Self {
             state: State::SizeStart,
             n: 0,
+            digits: 0,
+            extra: 0,
         }
     }
 
@@ -109,21 +125,33 @@ impl Chunked {
             self.state = match (self.state, b) {
                 (State::SizeStart, _) => {
                     self.n = u64::from(hex(b).ok_or(BadChunk)?);
+                    self.digits = 1;
+                    self.extra = 0;
                     State::Size
                 }
                 (State::Size, b'\r') => State::SizeLf,
-                (State::Size, b';' | b' ' | b'\t') => State::Ext,
+                (State::Size, b';') => State::Ext,
+                (State::Size, b' ' | b'\t') => State::SizeWs,
                 (State::Size, _) => {
                     let d = hex(b).ok_or(BadChunk)?;
-                    if self.n > MAX_CHUNK >> 4 {
+                    self.digits += 1;
+                    if self.n > MAX_CHUNK >> 4 || self.digits > MAX_SIZE_DIGITS {
                         return Err(BadChunk);
                     }
                     self.n = self.n * 16 + u64::from(d);
                     State::Size
                 }
+                (State::SizeWs, b' ' | b'\t') => State::SizeWs,
+                (State::SizeWs, b';') => State::Ext,
+                (State::SizeWs, b'\r') => State::SizeLf,
                 (State::Ext, b'\r') => State::SizeLf,
-                (State::Ext, b'\n') => return Err(BadChunk),
-                (State::Ext, _) => State::Ext,
+                (State::Ext, _) if (b >= 0x20 && b != 0x7f) || b == b'\t' => {
+                    self.extra += 1;
+                    if self.extra > MAX_EXT {
+                        return Err(BadChunk);
+                    }
+                    State::Ext
+                }
                 (State::SizeLf, b'\n') if self.n == 0 => State::TrailerStart,
                 (State::SizeLf, b'\n') => State::Data,
                 (State::DataCr, b'\r') => State::DataLf,
@@ -131,11 +159,22 @@ impl Chunked {
                 (State::TrailerStart, b'\r') => State::EndLf,
                 // A trailer is a field line (`name: value`), as hyper's parser requires: one
                 // that is not would reach the upstream for it to make sense of.
-                (State::TrailerStart | State::TrailerName, _) if is_tchar(b) => State::TrailerName,
+                (State::TrailerStart | State::TrailerName, _) if is_tchar(b) => {
+                    self.extra += 1;
+                    if self.extra > MAX_TRAILERS {
+                        return Err(BadChunk);
+                    }
+                    State::TrailerName
+                }
                 (State::TrailerName, b':') => State::Trailer,
                 (State::Trailer, b'\r') => State::TrailerLf,
-                (State::Trailer, b'\t') => State::Trailer,
-                (State::Trailer, _) if b >= 0x20 && b != 0x7f => State::Trailer,
+                (State::Trailer, _) if (b >= 0x20 && b != 0x7f) || b == b'\t' => {
+                    self.extra += 1;
+                    if self.extra > MAX_TRAILERS {
+                        return Err(BadChunk);
+                    }
+                    State::Trailer
+                }
                 (State::TrailerLf, b'\n') => State::TrailerStart,
                 (State::EndLf, b'\n') => {
                     self.state = State::Done;
@@ -236,6 +275,13 @@ mod tests {
             // 2^64 + 15: would wrap to 15 without the bound.
             b"1000000000000000F\r\n",
             b"10000000000000000\r\n\r\n",
+            // More than 16 digits, even as leading zeros; junk after the size's whitespace;
+            // control bytes in an extension; extensions or trailers past their bounds.
+            b"00000000000000005\r\nhello\r\n",
+            b"5 x\r\nhello\r\n",
+            b"5;a=\x00\r\nhello\r\n",
+            b"5;a=\x7f\r\nhello\r\n",
+            b"5;\n",
         ] {
             let mut c = Chunked::new();
             assert_eq!(
@@ -245,6 +291,22 @@ mod tests {
                 String::from_utf8_lossy(bad)
             );
         }
+    }
+
+    #[test]
+    fn long_extensions_and_trailer_sections_are_refused_and_bounded_ones_pass() {
+        let mut ext = b"1;".to_vec();
+        ext.extend(std::iter::repeat_n(b'a', MAX_EXT as usize + 1));
+        ext.extend_from_slice(b"\r\nx\r\n0\r\n\r\n");
+        assert_eq!(Chunked::new().scan(&ext), Err(BadChunk));
+        let ok = b"1;a=b \t;c\r\nx\r\n5 \t\r\nhello\r\n0000000000000000\r\n\r\n";
+        assert_eq!(Chunked::new().scan(ok), Ok(ok.len()));
+        let mut trailers = b"0\r\n".to_vec();
+        for i in 0..2_000 {
+            trailers.extend_from_slice(format!("x-t{i}: v\r\n").as_bytes());
+        }
+        trailers.extend_from_slice(b"\r\n");
+        assert_eq!(Chunked::new().scan(&trailers), Err(BadChunk));
     }
 
     #[test]
