@@ -362,6 +362,34 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
     }
 }
 
+/// A request body in a coding besides `chunked` (`gzip, chunked`) reached the upstream as
+/// plain chunked, its gzip label lost: now 501 (RFC 9112 §6.1, as nginx), on both paths, and
+/// the connection closes (its body was not read).
+#[tokio::test]
+async fn a_transfer_coding_besides_chunked_is_answered_501_on_both_paths() {
+    let up = Upstream::start().await;
+    let fast = Gateway::start(&yaml(&up.url(), "")).await;
+    let general = Gateway::start(&yaml(&up.url(), "").replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    for (path, g) in [("fast", &fast), ("general", &general)] {
+        let mut c = connect(g).await;
+        c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+            .await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, 501, "{path}");
+        assert!(c.closed().await, "{path}");
+        // Plain chunked still passes.
+        let mut c = connect(g).await;
+        c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+            .await;
+        assert_eq!(c.next(false).await.status, 200, "{path}");
+    }
+    assert_eq!(up.hits(), 2);
+}
+
 /// `CONNECT` asks for a tunnel to an address the client names: a reverse proxy does not give
 /// one (it told the client `200 Connection Established`, then closed). 405 on both paths,
 /// whatever the target's form, and nothing reaches the upstream.

@@ -28,6 +28,21 @@ static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
 static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// Whether a request's `Transfer-Encoding` (if any) is `chunked` alone, the one coding a body
+/// is passed on in.
+pub fn only_chunked(h: &HeaderMap) -> bool {
+    let mut codings = h
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(|c| c.trim_ascii())
+        .filter(|c| !c.is_empty());
+    match codings.next() {
+        None => true,
+        Some(first) => first.eq_ignore_ascii_case(b"chunked") && codings.next().is_none(),
+    }
+}
+
 /// Fields that frame a message or that tollgate sets, spelled with `-`.
 const FRAMING_AND_FORWARDING: [&str; 10] = [
     "host",
@@ -315,6 +330,24 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn only_chunked_alone_is_a_coding_passed_on() {
+        let te = |v: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in v {
+                h.append(TRANSFER_ENCODING, HeaderValue::from_static(v));
+            }
+            only_chunked(&h)
+        };
+        assert!(te(&[]));
+        assert!(te(&["chunked"]));
+        assert!(te(&["Chunked "]));
+        assert!(!te(&["gzip, chunked"]));
+        assert!(!te(&["gzip", "chunked"]));
+        assert!(!te(&["chunked, chunked"]));
+        assert!(!te(&["identity"]));
     }
 
     #[test]

@@ -83,8 +83,14 @@ impl Proxy {
             *req.uri_mut() = uri;
         }
         let rt = self.runtime.load_full();
-        if req.method() == http::Method::CONNECT {
-            let resp = response::connect_not_allowed();
+        let refused = if req.method() == http::Method::CONNECT {
+            Some(response::connect_not_allowed())
+        } else if !headers::only_chunked(req.headers()) {
+            Some(response::coding_not_implemented())
+        } else {
+            None
+        };
+        if let Some(resp) = refused {
             rt.unmatched.request(resp.status().as_u16());
             return timed(resp, started, &rt.unmatched.request_duration);
         }

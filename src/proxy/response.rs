@@ -55,6 +55,20 @@ pub fn connect_not_allowed() -> Response<Body> {
     r
 }
 
+/// A request body in a transfer coding besides `chunked` (`gzip, chunked`): tollgate would
+/// pass on only the chunked layer, and the upstream would read gzip bytes as plain ones
+/// (RFC 9112 §6.1: 501; nginx answers the same).
+pub fn coding_not_implemented() -> Response<Body> {
+    let mut r = json(
+        StatusCode::NOT_IMPLEMENTED,
+        r#"{"error":"not_implemented","message":"only the chunked transfer coding is supported"}"#
+            .into(),
+    );
+    r.headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
 pub fn bad_request(message: &str) -> Response<Body> {
     json(
         StatusCode::BAD_REQUEST,
