@@ -390,6 +390,28 @@ async fn a_transfer_coding_besides_chunked_is_answered_501_on_both_paths() {
     assert_eq!(up.hits(), 2);
 }
 
+/// An upstream that switches protocols on a request that asked for no upgrade: nothing can be
+/// relayed after its 101, so both paths answer 502 (the general path passed the 101 on, then
+/// closed).
+#[tokio::test]
+async fn an_unasked_protocol_switch_is_a_502_on_both_paths() {
+    let url = support::upstream::raw(&[
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: foo\r\nConnection: upgrade\r\n\r\n",
+    ])
+    .await;
+    let fast = Gateway::start(&yaml(&url, "")).await;
+    let general = Gateway::start(&yaml(&url, "").replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    for (path, g) in [("fast", &fast), ("general", &general)] {
+        let mut c = connect(g).await;
+        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+        assert_eq!(c.next(false).await.status, 502, "{path}");
+    }
+}
+
 /// `CONNECT` asks for a tunnel to an address the client names: a reverse proxy does not give
 /// one (it told the client `200 Connection Established`, then closed). 405 on both paths,
 /// whatever the target's form, and nothing reaches the upstream.

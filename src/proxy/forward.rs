@@ -124,6 +124,14 @@ pub async fn forward(
         return response::bad_gateway(&route.name);
     };
     match result {
+        // A protocol switch the client did not ask for: nothing can be relayed after it (the
+        // fast path answers the same).
+        Ok(Ok(ref e))
+            if e.status() == http::StatusCode::SWITCHING_PROTOCOLS && client_upgrade.is_none() =>
+        {
+            tracing::warn!(route = %route.name, "upstream switched protocols unasked");
+            response::bad_gateway(&route.name)
+        }
         Ok(Ok(Exchange::Plain(mut resp))) => {
             headers::strip_hop_by_hop(resp.headers_mut(), false);
             *resp.version_mut() = client_version;
@@ -254,5 +262,14 @@ async fn tunnel(
             }
         }
         Err(e) => tracing::debug!(route = %route, error = %e, "upgrade failed"),
+    }
+}
+
+impl Exchange {
+    fn status(&self) -> http::StatusCode {
+        match self {
+            Exchange::Plain(r) => r.status(),
+            Exchange::Other(r) => r.status(),
+        }
     }
 }
