@@ -28,6 +28,38 @@ static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
 static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// `Content-Length: 5, 5` (or two fields of 5), which hyper reads as 5, is passed on as the one
+/// `5` it means: as a list it breaks HTTP/2 clients (a malformed length) and strict HTTP/1.1
+/// ones. Differing values never get here (hyper refuses them).
+fn single_length(h: &mut HeaderMap) {
+    let mut all = h.get_all(CONTENT_LENGTH).iter();
+    let (Some(first), rest) = (all.next(), all.next().is_some()) else {
+        return;
+    };
+    if !rest && !first.as_bytes().contains(&b',') {
+        return;
+    }
+    let one = h
+        .get_all(CONTENT_LENGTH)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .try_fold(None, |seen: Option<&[u8]>, v| match seen {
+            Some(s) if s != v => Err(()),
+            _ => Ok(Some(v)),
+        });
+    match one {
+        Ok(Some(v)) => {
+            if let Ok(v) = HeaderValue::from_bytes(v) {
+                h.insert(CONTENT_LENGTH, v);
+            }
+        }
+        _ => {
+            h.remove(CONTENT_LENGTH);
+        }
+    }
+}
+
 /// Whether a request's `Transfer-Encoding` (if any) is `chunked` alone, the one coding a body
 /// is passed on in.
 pub fn only_chunked(h: &HeaderMap) -> bool {
@@ -105,6 +137,8 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     // re-sent as the length, it cut the body short). The body is re-framed on the way out.
     if present.contains(&&TRANSFER_ENCODING) {
         h.remove(CONTENT_LENGTH);
+    } else {
+        single_length(h);
     }
     for n in present {
         h.remove(n);
@@ -330,6 +364,23 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn a_repeated_length_is_passed_on_once() {
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_LENGTH, HeaderValue::from_static("5, 5"));
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.get_all(CONTENT_LENGTH).iter().collect::<Vec<_>>(), ["5"]);
+        let mut h = HeaderMap::new();
+        h.append(CONTENT_LENGTH, HeaderValue::from_static("7"));
+        h.append(CONTENT_LENGTH, HeaderValue::from_static("7"));
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.get_all(CONTENT_LENGTH).iter().collect::<Vec<_>>(), ["7"]);
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_LENGTH, HeaderValue::from_static("12"));
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.get_all(CONTENT_LENGTH).iter().collect::<Vec<_>>(), ["12"]);
     }
 
     #[test]
