@@ -412,6 +412,49 @@ async fn an_unasked_protocol_switch_is_a_502_on_both_paths() {
     }
 }
 
+/// Upstream lengths as hyper's client reads them, on both paths: a list of one value (`5, 5`)
+/// or two equal fields pass on as one `Content-Length: 5`; a bad length beside chunked framing
+/// is ignored (the chunks frame the body), where it frames the body it is a 502.
+#[tokio::test]
+async fn upstream_lengths_are_read_and_passed_on_alike_on_both_paths() {
+    let cases: [(&'static [u8], u16, &[u8]); 4] = [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello", 200, b"hello"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", 200, b"hello"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 200, b"hello"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\nhello", 502, b""),
+    ];
+    for (answer, status, body) in cases {
+        let parts: &'static [&'static [u8]] = Box::leak(Box::new([answer]));
+        let url = support::upstream::raw(parts).await;
+        let fast = Gateway::start(&yaml(&url, "")).await;
+        let general = Gateway::start(&yaml(&url, "").replace(
+            "  admin: 127.0.0.1:0\n",
+            "  admin: 127.0.0.1:0\n  fast_path: false\n",
+        ))
+        .await;
+        for (path, g) in [("fast", &fast), ("general", &general)] {
+            let what = format!("{path}: {:?}", String::from_utf8_lossy(&answer[..40]));
+            let mut c = connect(g).await;
+            c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+            let r = c.next(false).await;
+            assert_eq!(r.status, status, "{what}");
+            if status == 200 {
+                assert_eq!(r.body, body, "{what}");
+                let lengths: Vec<&str> = r
+                    .headers
+                    .iter()
+                    .filter(|(n, _)| n == "content-length")
+                    .map(|(_, v)| v.as_str())
+                    .collect();
+                assert!(
+                    lengths == ["5"] || lengths.is_empty(),
+                    "{what}: {lengths:?}"
+                );
+            }
+        }
+    }
+}
+
 /// `CONNECT` asks for a tunnel to an address the client names: a reverse proxy does not give
 /// one (it told the client `200 Connection Established`, then closed). 405 on both paths,
 /// whatever the target's form, and nothing reaches the upstream.

@@ -43,7 +43,8 @@ pub struct BadChunk;
 
 /// A chunk size this large is a client trying something: 2^60 bytes is beyond any real body.
 const MAX_CHUNK: u64 = 1 << 60;
-/// Digits of one chunk size, leading zeros included (a u64 in hex; hyper's bound too).
+/// Digits of one chunk size, leading zeros included (a u64 in hex; stricter than hyper, which
+/// only checks for overflow).
 const MAX_SIZE_DIGITS: u8 = 16;
 /// Bytes of extensions on one chunk-size line, and of the whole trailer section. The bytes
 /// pass to the upstream as they came, so what tollgate accepts must be what any parser
@@ -152,7 +153,11 @@ impl Chunked {
                     }
                     State::Ext
                 }
-                (State::SizeLf, b'\n') if self.n == 0 => State::TrailerStart,
+                (State::SizeLf, b'\n') if self.n == 0 => {
+                    // The trailers' own budget: the last chunk's extensions do not count.
+                    self.extra = 0;
+                    State::TrailerStart
+                }
                 (State::SizeLf, b'\n') => State::Data,
                 (State::DataCr, b'\r') => State::DataLf,
                 (State::DataLf, b'\n') => State::SizeStart,

@@ -264,6 +264,10 @@ pub struct ResponseHead {
     pub connection: ConnectionTokens,
     /// HTTP/1.0 without `keep-alive`, or `Connection: close`: the upstream closes after it.
     pub closes: bool,
+    /// The `Content-Length` to pass on, written once however the upstream spelled it (`5, 5`,
+    /// two fields): what it frames by, or what a HEAD or 304 answer announces. `None` beside
+    /// `Transfer-Encoding`, on 1xx and 204, and when absent.
+    pub length: Option<u64>,
 }
 
 pub enum ParsedResponse {
@@ -310,27 +314,41 @@ fn parse_response_in<'b>(
     fields.clear();
     let mut length: Option<u64> = None;
     let mut te: Option<Range<usize>> = None;
+    let mut bad_length = false;
     let mut connection = ConnectionTokens::default();
     for h in resp.headers.iter() {
         let field = Field::of(h, &at);
         let kind = field.kind;
         match kind {
-            Name::ContentLength => match (length, parse_length(h.value)) {
-                (None, Some(n)) => length = Some(n),
-                (Some(a), Some(b)) if a == b => {}
-                _ => return Ok(ParsedResponse::Invalid),
-            },
+            // As hyper's client reads it: a list of one value (`5, 5`), over any fields.
+            Name::ContentLength => {
+                for v in h.value.split(|b| *b == b',') {
+                    match (length, parse_length(v)) {
+                        (None, Some(n)) => length = Some(n),
+                        (Some(a), Some(b)) if a == b => {}
+                        _ => bad_length = true,
+                    }
+                }
+            }
             Name::TransferEncoding => te = Some(field.value.clone()),
             Name::Connection => connection.read(buf, field.value.clone()),
             _ => {}
         }
         fields.push(field);
     }
-    if (100..200).contains(&status) || status == 204 {
-        // RFC 9110 §8.6: these carry no Content-Length (an upstream's `0` is not passed on).
-        fields.retain(|f| !matches!(f.kind, Name::ContentLength));
-    }
     let no_body = head_request || (100..200).contains(&status) || status == 204 || status == 304;
+    // A length only matters where it frames the body (no Transfer-Encoding, a body to come) or
+    // announces one (HEAD, 304): a bad one is refused there and dropped elsewhere, as hyper
+    // does. 1xx and 204 carry none (RFC 9110 §8.6: an upstream's `0` is not passed on).
+    if bad_length {
+        if te.is_none() && !no_body {
+            return Ok(ParsedResponse::Invalid);
+        }
+        length = None;
+    }
+    if te.is_some() || (100..200).contains(&status) || status == 204 {
+        length = None;
+    }
     let framing = if no_body {
         Framing::Length(0)
     } else if let Some(te) = te {
@@ -354,6 +372,7 @@ fn parse_response_in<'b>(
         framing,
         connection,
         closes,
+        length,
     }))
 }
 

@@ -638,8 +638,8 @@ impl Conn {
             let keep = match f.kind {
                 Name::Connection | Name::TransferEncoding | Name::HopByHop | Name::Upgrade => false,
                 Name::RequestId => false,
-                // The framing field is never taken as hop-by-hop (see the request side).
-                Name::ContentLength => length_framed,
+                // Written once below, as read (never taken as hop-by-hop: see the request side).
+                Name::ContentLength => false,
                 Name::RateLimit | Name::RateLimitPolicy => info.is_none() && !dropped,
                 Name::Date => {
                     dated |= !dropped;
@@ -650,6 +650,11 @@ impl Conn {
             if keep {
                 head::push_field(out, &up[f.name.clone()], &up[f.value.clone()]);
             }
+        }
+        if let (true, Some(n)) = (length_framed, resp.length) {
+            out.extend_from_slice(b"content-length: ");
+            head::push_u64(out, n);
+            out.extend_from_slice(b"\r\n");
         }
         head::push_field(out, b"x-request-id", rid.bytes(bytes));
         if let Some(info) = info {
