@@ -507,6 +507,14 @@ impl Conn {
             pool.checkin(up, Instant::now());
         }
         self.ubuf.clear();
+        if self.ubuf.capacity() > WAIT_READ_MAX {
+            // One answer with a long head (up to ~400 KiB) does not stay with a kept-alive
+            // client connection.
+            self.ubuf = BytesMut::new();
+        }
+        if self.out.capacity() > WAIT_READ_MAX {
+            self.out = Vec::new();
+        }
         let step = if close {
             // A body that was still coming at the head may have been followed by more bytes.
             Step::Close {
