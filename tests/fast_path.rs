@@ -19,6 +19,23 @@ fn yaml(upstream: &str, limits: &str) -> String {
     )
 }
 
+/// One gateway on `upstream` with the fast path (the default) and one without it, for checks
+/// that both paths answer alike.
+async fn both_paths(upstream: &str) -> (Gateway, Gateway) {
+    both_paths_of(&yaml(upstream, "")).await
+}
+
+/// [`both_paths`] for a whole config (its `server` section with `admin: 127.0.0.1:0`).
+async fn both_paths_of(config: &str) -> (Gateway, Gateway) {
+    let fast = Gateway::start(config).await;
+    let general = Gateway::start(&config.replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  fast_path: false\n",
+    ))
+    .await;
+    (fast, general)
+}
+
 /// One response read off a raw connection.
 #[derive(Debug)]
 struct Resp {
@@ -267,12 +284,7 @@ async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths()
         b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     ])
     .await;
-    let fast = Gateway::start(&yaml(&url, "")).await;
-    let general = Gateway::start(&yaml(&url, "").replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths(&url).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
         for req in [
             &b"GET / HTTP/1.1\r\nhost: t\r\n\r\n"[..],
@@ -295,12 +307,7 @@ async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths()
 #[tokio::test]
 async fn underscore_spellings_of_forwarding_and_framing_fields_do_not_reach_the_upstream() {
     let up = Upstream::start().await;
-    let fast = Gateway::start(&yaml(&up.url(), "")).await;
-    let general = Gateway::start(&yaml(&up.url(), "").replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths(&up.url()).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
         let mut c = connect(g).await;
         c.send(b"GET /u HTTP/1.1\r\nHost: t\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer_Encoding: chunked\r\nx_real_ip: 6.6.6.6\r\napi_key: k1\r\n\r\n")
@@ -331,21 +338,13 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
     let big = support::upstream::raw(parts).await;
     let no_content =
         support::upstream::raw(&[b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n"]).await;
-    for general in [false, true] {
-        let path = if general { "general" } else { "fast" };
-        let cfg = |url: &str| {
-            let y = yaml(url, "");
-            if general {
-                y.replace(
-                    "  admin: 127.0.0.1:0\n",
-                    "  admin: 127.0.0.1:0\n  fast_path: false\n",
-                )
-            } else {
-                y
-            }
-        };
-        let g = Gateway::start(&cfg(&big)).await;
-        let mut c = connect(&g).await;
+    let (big_fast, big_general) = both_paths(&big).await;
+    let (empty_fast, empty_general) = both_paths(&no_content).await;
+    for (path, g, empty) in [
+        ("fast", &big_fast, &empty_fast),
+        ("general", &big_general, &empty_general),
+    ] {
+        let mut c = connect(g).await;
         c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
         let r = c.next(false).await;
         assert_eq!(r.status, 200, "{path}");
@@ -353,8 +352,7 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
         let cookies = r.headers.iter().filter(|(n, _)| n == "set-cookie").count();
         assert_eq!(cookies, 90, "{path}");
         assert_eq!(r.header("x-big").map(str::len), Some(100_000), "{path}");
-        let g = Gateway::start(&cfg(&no_content)).await;
-        let mut c = connect(&g).await;
+        let mut c = connect(empty).await;
         c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
         let r = c.next(false).await;
         assert_eq!(r.status, 204, "{path}");
@@ -368,12 +366,7 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
 #[tokio::test]
 async fn a_transfer_coding_besides_chunked_is_answered_501_on_both_paths() {
     let up = Upstream::start().await;
-    let fast = Gateway::start(&yaml(&up.url(), "")).await;
-    let general = Gateway::start(&yaml(&up.url(), "").replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths(&up.url()).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
         let mut c = connect(g).await;
         c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
@@ -399,12 +392,7 @@ async fn an_unasked_protocol_switch_is_a_502_on_both_paths() {
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: foo\r\nConnection: upgrade\r\n\r\n",
     ])
     .await;
-    let fast = Gateway::start(&yaml(&url, "")).await;
-    let general = Gateway::start(&yaml(&url, "").replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths(&url).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
         let mut c = connect(g).await;
         c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
@@ -426,12 +414,7 @@ async fn upstream_lengths_are_read_and_passed_on_alike_on_both_paths() {
     for (answer, status, body) in cases {
         let parts: &'static [&'static [u8]] = Box::leak(Box::new([answer]));
         let url = support::upstream::raw(parts).await;
-        let fast = Gateway::start(&yaml(&url, "")).await;
-        let general = Gateway::start(&yaml(&url, "").replace(
-            "  admin: 127.0.0.1:0\n",
-            "  admin: 127.0.0.1:0\n  fast_path: false\n",
-        ))
-        .await;
+        let (fast, general) = both_paths(&url).await;
         for (path, g) in [("fast", &fast), ("general", &general)] {
             let what = format!("{path}: {:?}", String::from_utf8_lossy(&answer[..40]));
             let mut c = connect(g).await;
@@ -461,12 +444,7 @@ async fn upstream_lengths_are_read_and_passed_on_alike_on_both_paths() {
 #[tokio::test]
 async fn connect_is_refused_with_405_on_both_paths() {
     let up = Upstream::start().await;
-    let fast = Gateway::start(&yaml(&up.url(), "")).await;
-    let general = Gateway::start(&yaml(&up.url(), "").replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths(&up.url()).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
         for req in [
             &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"[..],
@@ -753,12 +731,7 @@ async fn mangled_requests_get_a_4xx_or_a_close_never_a_panic_or_a_5xx() {
     }));
     let up = Upstream::start().await;
     let limits = "    limits:\n      - name: l\n        key: [ip, header:x-user]\n        rate: 1000000/1s\n";
-    let fast = Gateway::start(&yaml(&up.url(), limits)).await;
-    let general = Gateway::start(&yaml(&up.url(), limits).replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths_of(&yaml(&up.url(), limits)).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
         mangle_against(path, g).await;
     }
@@ -833,12 +806,7 @@ async fn mangle_against(path: &str, g: &Gateway) {
 #[tokio::test]
 async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
     let up = Upstream::start().await;
-    let fast = Gateway::start(&yaml(&up.url(), "")).await;
-    let general = Gateway::start(&yaml(&up.url(), "").replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths(&up.url()).await;
     // A whole request is answered; one whose body the shutdown cut short gets a 400.
     let cases: [(&[u8], &str); 2] = [
         (b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", "HTTP/1.1 200 "),
@@ -876,12 +844,7 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
         u = up.url()
     );
     let base = format!("server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n{routes}");
-    let fast = Gateway::start(&base).await;
-    let general = Gateway::start(&base.replace(
-        "  admin: 127.0.0.1:0\n",
-        "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
+    let (fast, general) = both_paths_of(&base).await;
     let big = format!(
         "GET /x HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n",
         "a".repeat(70_000)
