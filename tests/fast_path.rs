@@ -36,6 +36,13 @@ async fn both_paths_of(config: &str) -> (Gateway, Gateway) {
     (fast, general)
 }
 
+/// One request on a connection of its own, and its response.
+async fn ask(g: &Gateway, req: &[u8]) -> Resp {
+    let mut c = connect(g).await;
+    c.send(req).await;
+    c.next(false).await
+}
+
 /// One response read off a raw connection.
 #[derive(Debug)]
 struct Resp {
@@ -290,9 +297,7 @@ async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths()
             &b"GET / HTTP/1.1\r\nhost: t\r\n\r\n"[..],
             b"GET / HTTP/1.0\r\nhost: t\r\n\r\n",
         ] {
-            let mut c = connect(g).await;
-            c.send(req).await;
-            let r = c.next(false).await;
+            let r = ask(g, req).await;
             assert_eq!(r.status, 200, "{path}");
             assert_eq!(r.body, b"hello", "{path} {:?}", r.headers);
             assert_ne!(r.header("content-length"), Some("3"), "{path}");
@@ -309,10 +314,7 @@ async fn underscore_spellings_of_forwarding_and_framing_fields_do_not_reach_the_
     let up = Upstream::start().await;
     let (fast, general) = both_paths(&up.url()).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
-        let mut c = connect(g).await;
-        c.send(b"GET /u HTTP/1.1\r\nHost: t\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer_Encoding: chunked\r\nx_real_ip: 6.6.6.6\r\napi_key: k1\r\n\r\n")
-            .await;
-        let r = c.next(false).await;
+        let r = ask(g, b"GET /u HTTP/1.1\r\nHost: t\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer_Encoding: chunked\r\nx_real_ip: 6.6.6.6\r\napi_key: k1\r\n\r\n").await;
         assert_eq!(r.status, 200, "{path}");
         let h = &r.json()["headers"];
         for gone in ["x_forwarded_for", "transfer_encoding", "x_real_ip"] {
@@ -344,9 +346,7 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
         ("fast", &big_fast, &empty_fast),
         ("general", &big_general, &empty_general),
     ] {
-        let mut c = connect(g).await;
-        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
-        let r = c.next(false).await;
+        let r = ask(g, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
         assert_eq!(r.status, 200, "{path}");
         assert_eq!(r.body, b"ok", "{path}");
         let cookies = r.headers.iter().filter(|(n, _)| n == "set-cookie").count();
@@ -375,10 +375,7 @@ async fn a_transfer_coding_besides_chunked_is_answered_501_on_both_paths() {
         assert_eq!(r.status, 501, "{path}");
         assert!(c.closed().await, "{path}");
         // Plain chunked still passes.
-        let mut c = connect(g).await;
-        c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
-            .await;
-        assert_eq!(c.next(false).await.status, 200, "{path}");
+        assert_eq!(ask(g, b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n").await.status, 200, "{path}");
     }
     assert_eq!(up.hits(), 2);
 }
@@ -394,9 +391,11 @@ async fn an_unasked_protocol_switch_is_a_502_on_both_paths() {
     .await;
     let (fast, general) = both_paths(&url).await;
     for (path, g) in [("fast", &fast), ("general", &general)] {
-        let mut c = connect(g).await;
-        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
-        assert_eq!(c.next(false).await.status, 502, "{path}");
+        assert_eq!(
+            ask(g, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await.status,
+            502,
+            "{path}"
+        );
     }
 }
 
@@ -417,9 +416,7 @@ async fn upstream_lengths_are_read_and_passed_on_alike_on_both_paths() {
         let (fast, general) = both_paths(&url).await;
         for (path, g) in [("fast", &fast), ("general", &general)] {
             let what = format!("{path}: {:?}", String::from_utf8_lossy(&answer[..40]));
-            let mut c = connect(g).await;
-            c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
-            let r = c.next(false).await;
+            let r = ask(g, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
             assert_eq!(r.status, status, "{what}");
             if status == 200 {
                 assert_eq!(r.body, body, "{what}");
@@ -450,9 +447,7 @@ async fn connect_is_refused_with_405_on_both_paths() {
             &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"[..],
             b"CONNECT /x HTTP/1.1\r\nHost: t\r\n\r\n",
         ] {
-            let mut c = connect(g).await;
-            c.send(req).await;
-            let r = c.next(false).await;
+            let r = ask(g, req).await;
             assert_eq!(r.status, 405, "{path}");
             assert!(r.header("allow").is_some(), "{path}");
             assert_eq!(r.json()["error"], "method_not_allowed", "{path}");
@@ -870,18 +865,17 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
     ];
     for (path, g) in [("fast", &fast), ("general", &general)] {
         for (req, want) in cases {
-            let mut c = connect(g).await;
-            c.send(req).await;
-            let r = c.next(false).await;
+            let r = ask(g, req).await;
             let first = String::from_utf8_lossy(&req[..req.len().min(60)]);
             assert_eq!(r.status, want, "{path}: {first:?}");
         }
         // The absolute form's authority chose the route, and is the Host the upstream sees.
         let before = g.metrics().await;
-        let mut c = connect(g).await;
-        c.send(b"GET http://example.com/h HTTP/1.1\r\nHost: other\r\n\r\n")
-            .await;
-        let r = c.next(false).await;
+        let r = ask(
+            g,
+            b"GET http://example.com/h HTTP/1.1\r\nHost: other\r\n\r\n",
+        )
+        .await;
         assert_eq!(r.json()["headers"]["host"], "example.com", "{path}");
         let after = g.metrics().await;
         let routed = |m: &str| {
@@ -894,9 +888,7 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
         assert_eq!(routed(&after) - routed(&before), 1.0, "{path}");
         // An h2c upgrade is served as the plain request it also is; the upstream is not asked
         // to switch.
-        let mut c = connect(g).await;
-        c.send(b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n").await;
-        let r = c.next(false).await;
+        let r = ask(g, b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n").await;
         assert_eq!(r.status, 200, "{path}");
         let seen = r.json();
         for field in ["upgrade", "http2-settings", "connection"] {

@@ -406,17 +406,6 @@ impl EventualStore {
         now - now % period(algorithm)
     }
 
-    /// What the limit answers for `key` now, without charging it.
-    pub fn check(
-        &self,
-        algorithm: &Algorithm,
-        key: &[u8],
-        local_now: Micros,
-        cost: u64,
-    ) -> Result<Snapshot, Rejection> {
-        self.hold(algorithm, key, local_now).check(algorithm, cost)
-    }
-
     /// The key's state as this instance decides it now (learned totals plus its own unpushed
     /// units), for the admin API.
     pub fn peek(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros) -> Snapshot {
@@ -426,13 +415,7 @@ impl EventualStore {
 
     /// Charges `cost` to `key` (after every limit of the request admitted).
     pub fn commit(&self, algorithm: &Algorithm, key: &[u8], local_now: Micros, cost: u64) {
-        let now = self.redis_now(local_now);
-        self.touch(algorithm, key, now, cost);
-    }
-
-    /// Marks `key` for the next sync (a rejection too: the instance needs fresh totals).
-    pub fn touch(&self, algorithm: &Algorithm, key: &[u8], now: Micros, cost: u64) {
-        self.held_at(algorithm, key, now).charge(algorithm, cost);
+        self.hold(algorithm, key, local_now).charge(algorithm, cost);
     }
 
     /// Checks and, when admitted, charges under one take of the key's lock, so requests
@@ -454,11 +437,7 @@ impl EventualStore {
     /// Locks `key`'s counts for a check and a charge that the request's other limits decide
     /// between (see [`Held`]).
     pub fn hold<'a>(&'a self, algorithm: &Algorithm, key: &'a [u8], local_now: Micros) -> Held<'a> {
-        self.held_at(algorithm, key, self.redis_now(local_now))
-    }
-
-    /// [`EventualStore::hold`] at Redis time `now`.
-    fn held_at<'a>(&'a self, algorithm: &Algorithm, key: &'a [u8], now: Micros) -> Held<'a> {
+        let now = self.redis_now(local_now);
         let hash = self.map.hash(key);
         Held {
             shard: self.map.lock(hash),

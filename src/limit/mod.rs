@@ -556,11 +556,11 @@ impl LimitSet {
             .iter()
             .filter_map(|&(i, s, e)| {
                 let l = &self.limits[i];
-                let ev = l.eventual.as_ref()?;
-                let v = ev.check(&l.algorithm, &keys[s..e], cx.now, l.cost);
+                let mut held = l.eventual.as_ref()?.hold(&l.algorithm, &keys[s..e], cx.now);
+                let v = held.check(&l.algorithm, l.cost);
                 if v.is_err() {
-                    // Rejections need fresh totals too.
-                    ev.touch(&l.algorithm, &keys[s..e], ev.redis_now(cx.now), 0);
+                    // Rejections need fresh totals too: marked under the same lock take.
+                    held.charge(&l.algorithm, 0);
                 }
                 Some((i, v.map(|snap| (snap, 0))))
             })

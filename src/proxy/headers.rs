@@ -125,13 +125,17 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     }
     // Most messages carry none or one of them: one pass over the names present (comparing a
     // standard name is comparing a number) instead of a hashed removal for each of the nine.
+    // The same pass finds `_` spellings of framing and forwarding fields (standard names never
+    // hold `_`; custom ones rarely do, and only those are compared).
     let mut present: smallvec::SmallVec<[&'static HeaderName; 4]> = smallvec::SmallVec::new();
+    let mut lookalikes: smallvec::SmallVec<[HeaderName; 1]> = smallvec::SmallVec::new();
     for name in h.keys() {
-        if let Some(n) = HOP_BY_HOP.iter().find(|n| *n == name)
-            && !(keep_upgrade && (*n == CONNECTION || *n == UPGRADE))
-            && !present.contains(&n)
-        {
-            present.push(n);
+        if let Some(n) = HOP_BY_HOP.iter().find(|n| *n == name) {
+            if !(keep_upgrade && (*n == CONNECTION || *n == UPGRADE)) && !present.contains(&n) {
+                present.push(n);
+            }
+        } else if underscore_lookalike(name.as_str().as_bytes()) {
+            lookalikes.push(name.clone());
         }
     }
     // RFC 9112 §6.3: a message with both is framed by Transfer-Encoding, and a proxy must drop
@@ -145,12 +149,6 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
     for n in present {
         h.remove(n);
     }
-    // Standard names never hold `_`; custom ones rarely do, and those are checked.
-    let lookalikes: smallvec::SmallVec<[HeaderName; 1]> = h
-        .keys()
-        .filter(|n| underscore_lookalike(n.as_str().as_bytes()))
-        .cloned()
-        .collect();
     for n in lookalikes {
         h.remove(n);
     }
