@@ -125,6 +125,7 @@ impl Algorithm {
     }
 
     /// The state of a key never seen (or evicted): nothing consumed.
+    #[inline]
     pub fn new_state(&self) -> State {
         match self {
             Algorithm::Gcra(a) => State::Gcra(a.new_state()),
@@ -136,6 +137,10 @@ impl Algorithm {
 
     /// Decides without consuming, so that every limit of a request can be asked before any
     /// of them is charged.
+    // This and the other dispatchers a decision calls are `#[inline]`: the store's decision is
+    // their hot caller, and as calls their results came back through the stack
+    // (`cargo bench --bench limiter -- store/`: one key 69–75 ns → 61–63 ns).
+    #[inline]
     pub fn check(&self, state: &State, now: Micros, cost: u64) -> Result<Snapshot, Rejection> {
         with_state!(self, state, |a, s| a.check(s, now, cost))
     }
@@ -143,6 +148,7 @@ impl Algorithm {
     /// Charges an admitted request. Only meaningful after [`Algorithm::check`] (or
     /// [`Algorithm::reserve`]) admitted the same `cost` at the same `now` on this state;
     /// the returned snapshot then equals [`Algorithm::peek`] of the committed state.
+    #[inline]
     pub fn commit(&self, state: &mut State, now: Micros, cost: u64) {
         match self {
             Algorithm::Gcra(a) => {
@@ -187,6 +193,7 @@ impl Algorithm {
 
     /// From this instant on the state decides exactly as [`Algorithm::new_state`] would, so
     /// the store may drop the key (and Redis may expire it) without changing any decision.
+    #[inline]
     pub fn full_at(&self, state: &State) -> Micros {
         with_state!(self, state, |a, s| a.full_at(s))
     }
@@ -214,6 +221,7 @@ impl Algorithm {
     /// [`Algorithm::check`] for `on_limit: delay`: admitted now or after the returned delay
     /// (at most `max_delay`); commit it at the same `now` either way. Algorithms that cannot
     /// reserve answer as `check` with a delay of 0.
+    #[inline]
     pub fn reserve(
         &self,
         state: &State,
