@@ -80,6 +80,59 @@ async fn an_edited_file_is_applied_and_a_bad_one_is_refused_with_the_old_config_
     );
 }
 
+/// An editor saving in place truncates the file and then writes it. Read in between, the
+/// gateway would run an empty config (every request 404) until the write; the watcher waits
+/// for the directory to be quiet, and an empty file is refused, so requests never see it.
+#[tokio::test]
+async fn a_save_in_place_never_runs_the_truncated_file() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "100000/1h")).await;
+    let c = client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = {
+        let (c, url, stop) = (c.clone(), g.url("/"), stop.clone());
+        tokio::spawn(async move {
+            let mut statuses = std::collections::BTreeMap::new();
+            while !stop.load(Ordering::Relaxed) {
+                let s = c.get(&url).send().await.unwrap().status().as_u16();
+                *statuses.entry(s).or_insert(0u32) += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            statuses
+        })
+    };
+    let save_in_place = |text: String, pause: Duration| {
+        let path = g.config_path.clone();
+        async move {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&path).unwrap();
+            f.flush().unwrap();
+            tokio::time::sleep(pause).await;
+            f.write_all(text.as_bytes()).unwrap();
+        }
+    };
+
+    // A quick save: one reload, of the whole file.
+    save_in_place(cfg(&up.url(), "100001/1h"), Duration::from_millis(5)).await;
+    wait_for(async || reloads(&g, "success").await >= 1.0).await;
+    assert_eq!(reloads(&g, "error").await, 0.0);
+
+    // A slow one: the empty file is read, refused and counted; the running config serves on.
+    save_in_place(cfg(&up.url(), "100002/1h"), Duration::from_millis(600)).await;
+    wait_for(async || reloads(&g, "success").await >= 2.0).await;
+    assert_eq!(reloads(&g, "error").await, 1.0);
+
+    stop.store(true, Ordering::Relaxed);
+    let statuses = probe.await.unwrap();
+    assert_eq!(
+        statuses.keys().copied().collect::<Vec<_>>(),
+        [200],
+        "{statuses:?}"
+    );
+    let running: serde_json::Value = g.admin_json("/admin/config").await;
+    assert_eq!(running["routes"][0]["limits"][0]["rate"], "100002/1h");
+}
+
 #[tokio::test]
 async fn a_kubernetes_style_symlink_swap_is_picked_up() {
     let up = Upstream::start().await;

@@ -76,6 +76,16 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
 /// Parses and validates `text`; `path` is used in error messages, and its directory is where
 /// relative file paths in the config (`server.tls`, `server.upstream_ca`) are resolved from.
 pub fn parse_str(path: &Path, text: &str) -> Result<Config, ConfigError> {
+    if is_empty(text) {
+        // A file an editor has truncated and not yet written again reads as empty; loaded, it
+        // would be a gateway with no routes (every request 404) until the next save. Nobody
+        // means an empty file, so it is refused, and a reload keeps the running config.
+        return Err(Invalid::new(
+            Pos { line: 1, column: 1 },
+            "the file is empty (no YAML document); a config with no routes is `routes: []`",
+        )
+        .in_file(path));
+    }
     let raw = raw::parse(text).map_err(|e| e.in_file(path))?;
     let base = path.parent().unwrap_or(Path::new(""));
     let mut warnings = Vec::new();
@@ -83,6 +93,14 @@ pub fn parse_str(path: &Path, text: &str) -> Result<Config, ConfigError> {
     warnings.sort_by_key(|w| (w.at.line, w.at.column));
     config.warnings = warnings.into_iter().map(|w| w.in_file(path)).collect();
     Ok(config)
+}
+
+/// Nothing but blank lines, comments and document markers.
+fn is_empty(text: &str) -> bool {
+    text.trim_start_matches('\u{feff}').lines().all(|line| {
+        let line = line.trim();
+        line.is_empty() || line.starts_with('#') || line == "---" || line == "..."
+    })
 }
 
 /// A refusal before it knows which file it belongs to.

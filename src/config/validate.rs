@@ -37,6 +37,12 @@ pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -
     for raw_route in raw.routes.unwrap_or_default() {
         routes.push(route(raw_route, redis.is_some(), &mut seen, warnings)?);
     }
+    if routes.is_empty() {
+        warnings.push(Invalid::new(
+            Pos { line: 1, column: 1 },
+            "no routes: every request gets 404",
+        ));
+    }
     Ok(Config {
         server,
         redis,

@@ -3,8 +3,10 @@
 //! The watch is on the file's directory, not the file: editors save by writing a temp file and
 //! renaming it over the old one, and a Kubernetes ConfigMap update swaps a `..data` symlink, and
 //! both replace the inode a file watch would be holding. Any event in the directory wakes the
-//! watcher; it waits for the burst to settle, then compares the file's bytes with the last ones
-//! it saw, so only a real change is reloaded (and a bad file is reported once, not per event).
+//! watcher; it waits until the directory has been quiet for [`SETTLE`] (a save in several
+//! steps, truncate then write, or create, write and rename, is read once it is done, not in
+//! between), then compares the file's bytes with the last ones it saw, so only a real change is
+//! reloaded (and a bad file is reported once, not per event).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,8 +14,12 @@ use std::time::Duration;
 
 use notify::{RecursiveMode, Watcher};
 
-/// Editors write in several steps; one reload per burst.
-const SETTLE: Duration = Duration::from_millis(150);
+/// Editors write in several steps; one reload per burst, read once no event came for this long.
+const SETTLE: Duration = Duration::from_millis(200);
+
+/// A file written to without pause (a log someone put beside the config) is still read this
+/// long after the first event, so the config beside it is not starved of reloads.
+const SETTLE_AT_MOST: Duration = Duration::from_secs(2);
 
 /// A handle that keeps the OS watch alive; drop it to stop watching.
 pub struct ConfigWatch {
@@ -50,7 +56,14 @@ impl ConfigWatch {
     pub async fn changed(&mut self) {
         loop {
             self.changed.notified().await;
-            tokio::time::sleep(SETTLE).await;
+            let give_up = tokio::time::Instant::now() + SETTLE_AT_MOST;
+            // Each event restarts the wait: `notified()` also takes a permit an event left
+            // while nobody waited, so nothing between the checks is missed.
+            while tokio::time::timeout(SETTLE, self.changed.notified())
+                .await
+                .is_ok()
+                && tokio::time::Instant::now() < give_up
+            {}
             // Mid-rename the file can be briefly absent: wait for the next event.
             let Ok(now) = std::fs::read(&self.path) else {
                 continue;

@@ -267,13 +267,25 @@ fn scope_defaults_to_local_without_redis() {
     assert_eq!(cfg.routes[0].matcher.path, PathMatch::Prefix("/".into()));
 }
 
+/// A config with no routes runs (every request 404) but says so; an empty file, which is what
+/// a watcher sees between an editor's truncate and write, is refused.
 #[test]
-fn empty_files_and_empty_routes_are_allowed() {
-    for yaml in ["", "routes: []\n", "server:\nroutes:\n"] {
+fn no_routes_loads_with_a_warning_and_an_empty_file_is_refused() {
+    for yaml in ["routes: []\n", "server:\nroutes:\n"] {
         let cfg = ok(yaml);
         assert_eq!(cfg, Config::default());
+        let warnings: Vec<String> = cfg.warnings.iter().map(|w| w.to_string()).collect();
+        assert_eq!(
+            warnings,
+            ["routes.yaml:1:1: no routes: every request gets 404"]
+        );
     }
     assert!(summary(&Config::default()).contains("routes   none: every request gets 404"));
+    for yaml in ["", "\n\n", "# nothing yet\n", "---\n", "\u{feff}  \n"] {
+        let e = parse(yaml).unwrap_err();
+        assert_eq!((e.line, e.column), (1, 1), "{yaml:?}");
+        assert!(e.message.starts_with("the file is empty"), "{e}");
+    }
 }
 
 #[test]
