@@ -282,7 +282,7 @@ fn no_routes_loads_with_a_warning_and_an_empty_file_is_refused() {
     }
     assert!(summary(&Config::default()).contains("routes   none: every request gets 404"));
     for yaml in ["", "\n\n", "# nothing yet\n", "---\n", "\u{feff}  \n"] {
-        let e = parse(yaml).unwrap_err();
+        let e = super::parse(yaml).unwrap_err();
         assert_eq!((e.line, e.column), (1, 1), "{yaml:?}");
         assert!(e.message.starts_with("the file is empty"), "{e}");
     }
