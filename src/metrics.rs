@@ -244,7 +244,14 @@ impl Metrics {
             local_keys.clone(),
         );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
-        for kind in ["timeout", "connection", "script", "protocol", "unavailable"] {
+        for kind in [
+            "timeout",
+            "connection",
+            "script",
+            "protocol",
+            "unavailable",
+            "redirect",
+        ] {
             let _ = redis_errors.get_or_create_owned(&KindLabel { kind });
         }
         for result in ["success", "error"] {

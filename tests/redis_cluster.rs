@@ -11,7 +11,7 @@ use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
 use tollgate::limit::redis::{
-    GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, redis_keys,
+    Decision, GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, redis_keys,
 };
 
 const EPOCH: Micros = 1_700_000_000_000_000;
@@ -232,5 +232,83 @@ async fn a_shadow_limit_on_another_node_is_charged_only_with_the_request() {
     // The shadow limit runs out after 2 and stops nothing; the fixed window lets 4 through.
     let admitted = walk(&store, &limits(&algs, &keys), &[false, true, false]).await;
     assert_eq!(admitted, 4);
+    store.shutdown().await;
+}
+
+/// A slot moving between primaries while the gateway decides on its keys. During the move
+/// (keys already on the target) Redis answers `ASK`, which fred 10.1 does not follow (it sends
+/// the command after `ASKING` to the old owner again): those calls fail as `redirect`, Redis
+/// up, only that slot's keys affected. Once the move ends, the old owner answers `MOVED`,
+/// which is followed. Before, fred counted the redirection as a second attempt: a `MOVED`
+/// failed the call, and an `ASK` ended the connection's task for good (every later call on it
+/// timed out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moving_slot_costs_only_its_own_keys_and_is_followed_once_moved() {
+    let cluster = RedisCluster::start();
+    let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
+    settings.timeout = Duration::from_millis(500);
+    let store = RedisStore::connect(settings).unwrap();
+    let gcra = Algorithm::Gcra(Gcra::new(Quota {
+        count: 1_000,
+        period: 60_000_000,
+        burst: 1_000,
+    }));
+    let keys = keys_on_every_node(&cluster, |_| gcra.clone());
+    let limit = |key| {
+        [GlobalLimit {
+            algorithm: &gcra,
+            key,
+            cost: 1,
+            max_delay: 0,
+        }]
+    };
+    let mut now = EPOCH;
+    // Every decision, per key: admitted, or the error it failed with.
+    let mut decide_all = async |store: &RedisStore, rounds: usize| {
+        let mut outcomes = vec![Vec::new(); keys.len()];
+        for _ in 0..rounds {
+            for (i, key) in keys.iter().enumerate() {
+                now += 1_000;
+                outcomes[i].push(match store.decide(&limit(key), Some(now)).await {
+                    Ok(Decision { admitted: true, .. }) => "admitted".to_string(),
+                    Ok(d) => format!("{d:?}"),
+                    Err(e) => e.kind().to_string(),
+                });
+            }
+        }
+        outcomes
+    };
+    let all = |what: &str, n: usize| vec![vec![what.to_string(); n]; 3];
+    assert_eq!(decide_all(&store, 2).await, all("admitted", 2));
+
+    // Move the first key's slot from node 0 to node 1, keys first (the ASK phase).
+    let slot = cluster.cli(&["cluster", "keyslot", &keys[0]]);
+    let id = |n: usize| cluster.cli_node(n, &["cluster", "myid"]);
+    let (from, to) = (id(0), id(1));
+    let setslot = |n: usize, args: &[&str]| {
+        let mut cmd = vec!["cluster", "setslot", &slot];
+        cmd.extend(args);
+        assert_eq!(cluster.cli_node(n, &cmd), "OK", "{cmd:?} on node {n}");
+    };
+    setslot(1, &["importing", &from]);
+    setslot(0, &["migrating", &to]);
+    let port = cluster.ports()[1].to_string();
+    let moving = redis_keys(&keys[0], &gcra);
+    let mut migrate = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys"];
+    migrate.extend(moving.iter().map(String::as_str));
+    assert_eq!(cluster.cli_node(0, &migrate), "OK");
+    let mut during = all("admitted", 4);
+    during[0] = vec!["redirect".to_string(); 4];
+    assert_eq!(decide_all(&store, 4).await, during);
+
+    // The move ends: every node learns the new owner; the client's slot map is stale (MOVED).
+    for n in 0..3 {
+        setslot(n, &["node", &to]);
+    }
+    assert_eq!(decide_all(&store, 4).await, all("admitted", 4));
+    assert_eq!(cluster.node_for_key(&keys[0]), 1);
+    for k in &moving {
+        assert_eq!(cluster.cli_node(1, &["exists", k]), "1", "{k} on node 1");
+    }
     store.shutdown().await;
 }

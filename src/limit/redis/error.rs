@@ -20,6 +20,11 @@ pub enum RedisError {
     Script(String),
     #[error("unexpected redis reply: {0}")]
     Protocol(String),
+    /// A Cluster redirection the client did not follow: a key in a slot that is moving
+    /// between nodes (fred sends the command after `ASKING` to the slot's old owner again).
+    /// Redis is up; only that slot's keys are affected, until the move ends.
+    #[error("redis cluster redirection not followed: {0}")]
+    Redirect(String),
 }
 
 /// Error replies that mean "this Redis cannot serve right now" rather than "the command is
@@ -43,6 +48,7 @@ impl RedisError {
             RedisError::Connection(_) => "connection",
             RedisError::Script(_) => "script",
             RedisError::Protocol(_) => "protocol",
+            RedisError::Redirect(_) => "redirect",
         }
     }
 
@@ -75,6 +81,7 @@ impl From<FredError> for RedisError {
                     RedisError::Connection(details)
                 }
             }
+            ErrorKind::Routing if details.contains("redirections") => RedisError::Redirect(details),
             // IO, Canceled, Backpressure, Cluster, Routing, Auth, Config, Url, Tls, ...:
             // Redis cannot be used as configured right now.
             _ => RedisError::Connection(format!("{:?}: {details}", e.kind())),
@@ -106,6 +113,14 @@ mod tests {
             (
                 FredError::new(ErrorKind::Parse, "not an integer"),
                 "protocol",
+            ),
+            (
+                FredError::new(ErrorKind::Routing, "Too many redirections."),
+                "redirect",
+            ),
+            (
+                FredError::new(ErrorKind::Routing, "Max attempts reached."),
+                "connection",
             ),
         ];
         for (fred, kind) in cases {

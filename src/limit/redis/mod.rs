@@ -29,8 +29,8 @@
 //!
 //! A command that timed out on our side may still run on Redis later (nothing can recall a
 //! command already written); it then consumes units of a request that was answered by the
-//! fallback. fred's own retries are off (`max_command_attempts = 1`) so that it never
-//! replays a decision twice.
+//! fallback. fred may send a call again after its connection dropped mid-flight (3 attempts,
+//! which Cluster redirections need too), so a decision can be charged twice, never skipped.
 
 mod breaker;
 mod error;
@@ -67,6 +67,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 /// Commands fred may queue per connection while (re)connecting; beyond it a call fails at
 /// once instead of piling up behind a dead Redis.
 const MAX_QUEUED_COMMANDS: usize = 1024;
+/// How long a connection whose task ended waits before it is started again.
+const RESTART_AFTER: Duration = Duration::from_millis(100);
 /// The probe loop's tick; [`PROBE_EVERY`] is enforced by the breaker.
 const PROBE_TICK: Duration = Duration::from_millis(50);
 
@@ -345,7 +347,17 @@ impl RedisStore {
             .with_connection_config(|c: &mut ConnectionConfig| {
                 c.connection_timeout = Duration::from_secs(1);
                 c.internal_command_timeout = Duration::from_secs(1);
-                c.max_command_attempts = 1;
+                // fred counts every write of a command as an attempt, a redirected one too: at
+                // 1, a call after a slot changed owner (`MOVED`) failed, and one to a slot
+                // mid-move (`ASK`) ended the connection's task. One redirection is followed
+                // (`MOVED`: fred refreshes its slot map, then resends); fred 10.1 resends an
+                // `ASK`ed command to the old owner, so the second `ASK` answers that call with
+                // an error (`redirect`, the on_error fallback) instead of spending the
+                // attempts and ending the task. The price of 3 attempts: a call whose
+                // connection dropped mid-flight may be sent again within the timeout (a
+                // request charged twice, never one admitted over the limit).
+                c.max_command_attempts = 3;
+                c.max_redirections = 1;
                 c.max_command_buffer_len = MAX_QUEUED_COMMANDS;
                 c.unresponsive = UnresponsiveConfig {
                     max_timeout: Some(Duration::from_secs(2).max(timeout * 4)),
@@ -360,8 +372,6 @@ impl RedisStore {
             .map_err(|e| {
                 RedisError::Connection(format!("building the redis pool: {}", e.details()))
             })?;
-        let _connection = pool.connect();
-
         let inner = Arc::new(Inner {
             pool,
             cluster,
@@ -370,6 +380,9 @@ impl RedisStore {
             breaker: Mutex::new(Breaker::new(BREAKER_THRESHOLD, PROBE_EVERY)),
             shut_down: AtomicBool::new(false),
         });
+        for client in inner.pool.clients() {
+            runtime.spawn(supervise(client.clone(), Arc::downgrade(&inner)));
+        }
         runtime.spawn(probe_loop(Arc::downgrade(&inner)));
         Ok(Self { inner })
     }
@@ -680,6 +693,32 @@ impl RedisStore {
 
 /// PINGs while the breaker is open or Redis never answered. Holds only a weak reference,
 /// so it ends with the last [`RedisStore`] clone (or at shutdown).
+/// Runs one pool connection's task, and starts it again when it ends while the store is in
+/// use. fred's task reconnects by itself after a dropped connection, but ends for good on an
+/// error inside its command loop (a redirection it could not follow was one): its connection
+/// would then take every later call and answer none of them, a timeout each, until restart.
+async fn supervise(client: fred::clients::Client, inner: Weak<Inner>) {
+    let stopped = || {
+        inner
+            .upgrade()
+            .is_none_or(|i| i.shut_down.load(Ordering::SeqCst))
+    };
+    loop {
+        let ended = client.connect().await;
+        if stopped() {
+            return;
+        }
+        tracing::warn!(
+            outcome = ?ended,
+            "a redis connection's task ended; starting it again"
+        );
+        tokio::time::sleep(RESTART_AFTER).await;
+        if stopped() {
+            return;
+        }
+    }
+}
+
 async fn probe_loop(inner: Weak<Inner>) {
     let mut tick = tokio::time::interval(PROBE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
