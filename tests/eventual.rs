@@ -252,6 +252,52 @@ async fn an_outage_loses_no_count_and_the_instance_catches_up() {
     }
 }
 
+/// A sync that times out against a stalled Redis was written and runs once Redis resumes:
+/// its units are taken as pushed, not pushed again by the next sync (which counted them twice:
+/// 11 requests left 21 in Redis, and clients got fewer than their quota).
+#[tokio::test]
+async fn a_sync_that_timed_out_is_not_pushed_again() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let config = cfg(
+        &redis.url(),
+        "stall",
+        "fixed_window",
+        "100/1d",
+        "50ms",
+        &up.url(),
+    )
+    .replace("timeout: 1s", "timeout: 100ms");
+    let g = Gateway::start(&config).await;
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(counter(&redis, "stall"), 3);
+    redis.pause();
+    // Decided here; the syncs meanwhile are written and time out.
+    for _ in 0..5 {
+        assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.resume();
+    let t = Instant::now();
+    while counter(&redis, "stall") < 8 {
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "counts never caught up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Every sync due after the stall has run by now (breaker probe, then one interval).
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(counter(&redis, "stall"), 8);
+    let s: serde_json::Value = g.admin_json("/admin/limits/stall/ev?key=k").await;
+    assert_eq!(s["remaining"], 92, "{s}");
+}
+
 #[tokio::test]
 async fn a_client_moving_to_an_instance_new_to_its_key_finds_its_count_there() {
     let redis = RedisServer::start();

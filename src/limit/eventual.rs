@@ -28,7 +28,8 @@
 //! ceiling is then N × `COUNT` (see the README).
 //!
 //! A failed sync loses nothing: the unpushed units stay and are pushed by the next sync that
-//! succeeds; meanwhile each instance keeps deciding with what it knows.
+//! succeeds; meanwhile each instance keeps deciding with what it knows. A sync that was written
+//! but timed out (Redis stalled) is not pushed again: Redis runs it once it catches up.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
@@ -532,6 +533,41 @@ impl EventualStore {
                 c.expires(p)
             },
         );
+    }
+
+    /// A sync written to Redis whose answer did not come in time (Redis stalled): Redis runs
+    /// it when it catches up, so its units are taken as pushed, into the totals this instance
+    /// knows, and not pushed again (that counted them twice). The key is due again next time,
+    /// for the real totals. Should the call never run (Redis lost it with everything else in a
+    /// crash), those units are missing from Redis: the others may admit that many more.
+    pub fn pushed_unanswered(&self, algorithm: &Algorithm, item: &SyncItem, local_now: Micros) {
+        let now = self.redis_now(local_now);
+        let p = period(algorithm);
+        let hash = self.map.hash(&item.key);
+        let mut shard = self.map.lock(hash);
+        shard.update(hash, &item.key, now, Counts::default, |c, live| {
+            if live {
+                c.touched = true;
+                if matches!(algorithm, Algorithm::Gcra(_)) {
+                    // The TAT here already holds these units; only the push is done.
+                    c.own_curr -= item.push_curr.min(c.own_curr);
+                } else if c.ws == item.ws {
+                    let (curr, prev) = (
+                        item.push_curr.min(c.own_curr),
+                        item.push_prev.min(c.own_prev),
+                    );
+                    c.own_curr -= curr;
+                    c.known_curr += curr;
+                    c.own_prev -= prev;
+                    c.known_prev += prev;
+                } else if c.ws == item.ws + p {
+                    let curr = item.push_curr.min(c.own_prev);
+                    c.own_prev -= curr;
+                    c.known_prev += curr;
+                }
+            }
+            c.expires(p)
+        });
     }
 
     /// A failed sync: the key is due again next time (its units were not taken off).

@@ -200,6 +200,11 @@ impl Limit {
                 );
                 Ok(())
             }
+            // Written, unanswered: Redis will run it (see `pushed_unanswered`).
+            Err(e @ redis::RedisError::Timeout) => {
+                ev.pushed_unanswered(&self.algorithm, item, clock.now());
+                Err(e)
+            }
             Err(e) => {
                 ev.retry(&self.algorithm, item, clock.now());
                 Err(e)

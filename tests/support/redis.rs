@@ -95,6 +95,26 @@ impl RedisServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open and commands sent meanwhile are run
+    /// when it resumes, as with a Redis stalled by a long command or a fork.
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// Lets a paused server run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, name: &str) {
+        let pid = self.child.as_ref().expect("redis-server is running").id();
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{name} {pid}");
+    }
+
     /// Starts the server again on the same port, with an empty dataset.
     pub fn restart(&mut self) {
         self.stop();
