@@ -896,3 +896,43 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
         }
     }
 }
+
+/// A key part sent twice with different values (`X-Api-Key: rand` then `X-Api-Key: real`, or
+/// `?k=rand&k=real`) could be charged under one and read by the upstream as the other: it is
+/// answered 400 `ambiguous_key` on both paths, before the upstream. The same value twice is one
+/// value, and an empty value is no value (`on_missing` decides: here, reject).
+#[tokio::test]
+async fn differing_repeated_key_values_are_refused_and_empty_ones_are_missing_on_both_paths() {
+    let up = Upstream::start().await;
+    let limits = "    limits:\n      - name: l\n        key: [header:x-api-key, query:k]\n        on_missing: reject\n        rate: 1000/1s\n";
+    let (fast, general) = both_paths_of(&yaml(&up.url(), limits)).await;
+    for g in [&fast, &general] {
+        let get = |target: &str, keys: &[&str]| {
+            let mut req = format!("GET {target} HTTP/1.1\r\nHost: h\r\n");
+            for k in keys {
+                req.push_str(&format!("X-Api-Key: {k}\r\n"));
+            }
+            req.push_str("\r\n");
+            req.into_bytes()
+        };
+        for (target, keys) in [
+            ("/?k=1", &["rand", "real"][..]),
+            ("/?k=rand&k=real", &["real"][..]),
+        ] {
+            let r = ask(g, &get(target, keys)).await;
+            assert_eq!(r.status, 400, "{target} {keys:?}");
+            let body = r.json();
+            assert_eq!(body["error"], "ambiguous_key", "{body}");
+            assert_eq!(body["limit"], "l", "{body}");
+        }
+        assert_eq!(ask(g, &get("/?k=1&k=1", &["a", "a"])).await.status, 200);
+        let empty = ask(g, &get("/?k=1", &[""])).await;
+        assert_eq!(empty.status, 429);
+        assert_eq!(empty.json()["error"], "missing_key");
+    }
+    assert_eq!(
+        up.hits(),
+        2,
+        "only the two unambiguous requests reached the upstream"
+    );
+}

@@ -51,6 +51,11 @@ pub enum KeyOutcome {
     Skip,
     /// A part is absent and the limit says `on_missing: reject`; names the part.
     Reject(String),
+    /// A header or query part appears more than once with different values; names the part.
+    /// Which one the upstream reads (the first, the last, all joined) is its own choice, so
+    /// keying on any one would let a client be charged under one value and served under
+    /// another. The request is refused (400) whatever `on_missing` says.
+    Ambiguous(String),
 }
 
 impl KeySpec {
@@ -66,15 +71,19 @@ impl KeySpec {
                     push_ip(out, req.client_ip);
                     true
                 }
-                KeyPart::Header(name) => match req.headers.get(name) {
-                    Some(v) => {
-                        push_escaped(out, v.as_bytes());
+                KeyPart::Header(name) => match header_value(req.headers, name) {
+                    Value::One(v) => {
+                        push_escaped(out, v);
                         true
                     }
-                    None => false,
+                    Value::Absent => false,
+                    Value::Differing => {
+                        out.truncate(start);
+                        return KeyOutcome::Ambiguous(part.to_string());
+                    }
                 },
-                KeyPart::Query(name) => match query_param(req.uri.query(), name) {
-                    Some(v) => {
+                KeyPart::Query(name) => match query_value(req.uri.query(), name) {
+                    Value::One(v) => {
                         // Decoded first: `%61bc` and `abc` are one value to the upstream, so
                         // they are one key here.
                         let mut value = smallvec::SmallVec::<[u8; 64]>::new();
@@ -82,7 +91,11 @@ impl KeySpec {
                         push_escaped(out, &value);
                         true
                     }
-                    None => false,
+                    Value::Absent => false,
+                    Value::Differing => {
+                        out.truncate(start);
+                        return KeyOutcome::Ambiguous(part.to_string());
+                    }
                 },
                 KeyPart::Path => {
                     push_escaped(out, req.uri.path().as_bytes());
@@ -165,15 +178,50 @@ pub fn ip_text(ip: IpAddr, buf: &mut [u8; IP_TEXT_MAX]) -> &[u8] {
     }
 }
 
-/// The raw (still percent-encoded) value of the first `name=` parameter; a bare `name` counts as
-/// present with an empty value.
-fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a [u8]> {
-    query?.split('&').find_map(|pair| {
+/// What a request holds for a header or query key part.
+enum Value<'a> {
+    /// Not there, or empty: as nginx's `limit_req` does not account an empty key, an empty
+    /// value is no value (`on_missing` decides), not one bucket every such client shares.
+    Absent,
+    /// One value (or the same value repeated).
+    One(&'a [u8]),
+    /// Several values that differ.
+    Differing,
+}
+
+fn header_value<'a>(headers: &'a HeaderMap, name: &http::HeaderName) -> Value<'a> {
+    let mut values = headers.get_all(name).iter();
+    let Some(first) = values.next() else {
+        return Value::Absent;
+    };
+    if values.any(|v| v != first) {
+        Value::Differing
+    } else if first.is_empty() {
+        Value::Absent
+    } else {
+        Value::One(first.as_bytes())
+    }
+}
+
+/// The raw (still percent-encoded) value of the `name=` parameter; a bare `name` or `name=` is
+/// empty, so absent.
+fn query_value<'a>(query: Option<&'a str>, name: &str) -> Value<'a> {
+    let mut found: Option<&[u8]> = None;
+    for pair in query.unwrap_or("").split('&') {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        form_decoded(k.as_bytes())
-            .eq(name.bytes())
-            .then_some(v.as_bytes())
-    })
+        if !form_decoded(k.as_bytes()).eq(name.bytes()) {
+            continue;
+        }
+        match found {
+            None => found = Some(v.as_bytes()),
+            Some(f) if form_decoded(f).eq(form_decoded(v.as_bytes())) => {}
+            Some(_) => return Value::Differing,
+        }
+    }
+    match found {
+        Some(v) if !v.is_empty() => Value::One(v),
+        _ => Value::Absent,
+    }
 }
 
 /// A query component as a server reads it (`application/x-www-form-urlencoded`): `+` is a space
@@ -312,7 +360,7 @@ mod tests {
 
     #[test]
     fn parts_join_in_order() {
-        let uri: Uri = "/v1/users?id=7&x".parse().unwrap();
+        let uri: Uri = "/v1/users?id=7&x=y".parse().unwrap();
         let mut h = HeaderMap::new();
         h.insert("x-user", HeaderValue::from_static("alice"));
         let spec = KeySpec {
@@ -330,7 +378,58 @@ mod tests {
         };
         let (o, k) = build(&spec, &parts(&uri, &h));
         assert_eq!(o, KeyOutcome::Built);
-        assert_eq!(k, "10.1.2.3|alice|7||/v1/users|GET|users|v1");
+        assert_eq!(k, "10.1.2.3|alice|7|y|/v1/users|GET|users|v1");
+    }
+
+    /// A client sending two values cannot be charged under one and served under the other:
+    /// the request is refused. The same value twice, and an empty value, are not ambiguous;
+    /// an empty value is absent, as nginx does not account an empty key.
+    #[test]
+    fn repeated_values_must_agree_and_empty_ones_are_absent() {
+        let spec = |part: KeyPart| KeySpec {
+            parts: vec![part],
+            on_missing: OnMissing::Reject,
+        };
+        let header = spec(KeyPart::Header("x-key".parse().unwrap()));
+        let query = spec(KeyPart::Query("k".into()));
+        let root: Uri = "/".parse().unwrap();
+        let headers = |values: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append("x-key", HeaderValue::from_static(v));
+            }
+            h
+        };
+        let by_header = |values: &[&'static str]| build(&header, &parts(&root, &headers(values)));
+        assert_eq!(
+            by_header(&["rand", "real"]).0,
+            KeyOutcome::Ambiguous("header:x-key".into())
+        );
+        assert_eq!(
+            by_header(&["real", "real"]),
+            (KeyOutcome::Built, "real".into())
+        );
+        assert_eq!(
+            by_header(&[""]).0,
+            KeyOutcome::Reject("header:x-key".into())
+        );
+        let none = HeaderMap::new();
+        let by_query = |q: &str| build(&query, &parts(&q.parse().unwrap(), &none));
+        assert_eq!(
+            by_query("/?k=rand&k=real").0,
+            KeyOutcome::Ambiguous("query:k".into())
+        );
+        assert_eq!(
+            by_query("/?k=a+b&x=1&k=a%20b"),
+            (KeyOutcome::Built, "a%20b".into())
+        );
+        for empty in ["/?k=", "/?k", "/?k=&x=1"] {
+            assert_eq!(
+                by_query(empty).0,
+                KeyOutcome::Reject("query:k".into()),
+                "{empty}"
+            );
+        }
     }
 
     #[test]

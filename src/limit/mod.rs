@@ -276,6 +276,8 @@ pub enum Verdict {
     Reject { limit: usize, rejection: Rejection },
     /// `on_missing: reject` and the named key part is absent.
     MissingKey { limit: usize, part: String },
+    /// The named key part has several differing values: 400 (see [`KeyOutcome::Ambiguous`]).
+    AmbiguousKey { limit: usize, part: String },
     /// Redis could not answer and `redis.on_error: deny`: 503.
     Unavailable { limit: usize },
 }
@@ -392,6 +394,10 @@ impl LimitSet {
                     limit.metrics.rejected.inc();
                     return Verdict::MissingKey { limit: i, part };
                 }
+                // Refused before any limit decides: a malformed request, not a rate decision.
+                // A shadow limit refuses nothing: it does not apply.
+                KeyOutcome::Ambiguous(_) if limit.shadow => {}
+                KeyOutcome::Ambiguous(part) => return Verdict::AmbiguousKey { limit: i, part },
             }
         }
         if let Some(redis) = cx.redis {

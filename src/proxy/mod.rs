@@ -233,6 +233,11 @@ impl Proxy {
                 &limits.limits[limit].name,
                 &part,
             )),
+            Verdict::AmbiguousKey { limit, part } => Admission::Answer(response::ambiguous_key(
+                &route.name,
+                &limits.limits[limit].name,
+                &part,
+            )),
             Verdict::Admit {
                 delay,
                 delayed_by,

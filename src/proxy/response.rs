@@ -91,6 +91,20 @@ pub fn missing_key(route: &str, limit: &str, part: &str) -> Response<Body> {
     )
 }
 
+/// A key part sent with several differing values (see `KeyOutcome::Ambiguous`): the request
+/// is malformed for this route, so 400, and no `Retry-After`.
+pub fn ambiguous_key(route: &str, limit: &str, part: &str) -> Response<Body> {
+    json(
+        StatusCode::BAD_REQUEST,
+        format!(
+            r#"{{"error":"ambiguous_key","route":{},"limit":{},"part":{},"message":"the key part has several different values; send one"}}"#,
+            escape(route),
+            escape(limit),
+            escape(part)
+        ),
+    )
+}
+
 pub fn bad_gateway(route: &str) -> Response<Body> {
     json(
         StatusCode::BAD_GATEWAY,
