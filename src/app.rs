@@ -88,6 +88,9 @@ pub struct Shared {
     pub options: Options,
     /// Serialises reloads (file watcher, SIGHUP and the admin API may race).
     reload_lock: Mutex<()>,
+    /// Set on SIGTERM/SIGINT: `/readyz` answers 503 while in-flight requests finish, so a load
+    /// balancer stops sending here; the admin listener itself stays up until the drain ends.
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -138,9 +141,11 @@ impl Shared {
             (Some(_), true) => (true, "up"),
             (Some(_), false) => (rt.on_error == OnError::Allow, "down"),
         };
+        let draining = self.draining.load(std::sync::atomic::Ordering::Relaxed);
+        let ready = ready && !draining;
         (
             ready,
-            serde_json::json!({"ready": ready, "routes": rt.routes.len(), "redis": redis, "on_error": rt.on_error}),
+            serde_json::json!({"ready": ready, "routes": rt.routes.len(), "redis": redis, "on_error": rt.on_error, "draining": draining}),
         )
     }
 
@@ -260,12 +265,14 @@ impl App {
             clock,
             client,
             proto,
+            tunnels: Default::default(),
         });
         Ok(Self {
             shared: Arc::new(Shared {
                 proxy,
                 options,
                 reload_lock: Mutex::new(()),
+                draining: Default::default(),
             }),
             proxy_listener,
             admin_listener,
@@ -300,9 +307,12 @@ impl App {
             .config_path
             .clone()
             .map(|path| tokio::spawn(watch(shared.clone(), path, stop_rx.clone())));
+        // The admin listener outlives the drain (metrics and `/readyz` stay readable); it
+        // stops once the proxy listener is done.
+        let (admin_stop, admin_stopped) = tokio::sync::watch::channel(false);
         let admin = {
             let router = crate::admin::router(shared.clone());
-            let mut rx = stop_rx.clone();
+            let mut rx = admin_stopped;
             tokio::spawn(async move {
                 let stop = async move {
                     let _ = rx.wait_for(|s| *s).await;
@@ -319,13 +329,20 @@ impl App {
         let left = crate::http::serve(
             self.proxy_listener,
             shared.proxy.clone(),
-            async move {
-                shutdown.await;
-                let _ = stop_tx.send(true);
+            {
+                let shared = shared.clone();
+                async move {
+                    shutdown.await;
+                    shared
+                        .draining
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    let _ = stop_tx.send(true);
+                }
             },
             grace,
         )
         .await;
+        let _ = admin_stop.send(true);
         if left > 0 {
             tracing::warn!(connections = left, "exiting with connections still open");
         }

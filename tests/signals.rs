@@ -139,3 +139,49 @@ routes:
     assert_eq!(up.hits(), 2);
     assert!(p.exited_ok().await);
 }
+
+/// An upgraded connection (WebSocket) open at SIGTERM is an in-flight exchange too: it keeps
+/// working through the drain, up to the grace period, and the process exits once it closes.
+/// Meanwhile the admin listener still answers, `/readyz` with 503 (draining) so a load balancer
+/// stops sending here. (The tunnel used to be cut at the signal, with no close.)
+#[tokio::test]
+async fn sigterm_keeps_an_upgraded_connection_until_it_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = Upstream::start().await;
+    let mut p = start(&up.url(), "1000/1s").await;
+    let addr = p.proxy.trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    s.write_all(
+        b"GET /upgrade HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: echo\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 101"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    let echo = async |s: &mut tokio::net::TcpStream, msg: &[u8]| {
+        s.write_all(msg).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg);
+    };
+    echo(&mut s, b"before").await;
+
+    p.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    echo(&mut s, b"during the drain").await;
+    let c = client();
+    let ready = c.get(format!("{}/readyz", p.admin)).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert_eq!(body["draining"], true, "{body}");
+    let metrics = c.get(format!("{}/metrics", p.admin)).send().await.unwrap();
+    assert_eq!(metrics.status(), 200);
+
+    drop(s);
+    assert!(p.exited_ok().await);
+}

@@ -43,8 +43,10 @@ async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Ne
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
+            .and_then(|v| v.split_once(' '))
+            // The scheme is case-insensitive (RFC 9110 §11.1): `bearer x` is `Bearer x`.
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .is_some_and(|(_, t)| constant_time_eq(t.trim().as_bytes(), token.as_bytes()));
         if !ok {
             return (
                 StatusCode::UNAUTHORIZED,

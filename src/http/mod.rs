@@ -134,12 +134,22 @@ pub async fn serve(
     // include them) and close on this signal.
     let _ = stop.send(true);
     let open = graceful.count();
-    tracing::info!(open, "draining connections");
-    match tokio::time::timeout(grace, graceful.shutdown()).await {
+    let tunnels = &proxy.tunnels;
+    tracing::info!(open, upgraded = tunnels.count(), "draining connections");
+    let drained = async {
+        graceful.shutdown().await;
+        // Upgraded connections (WebSockets) run until their ends close them, within the grace.
+        tunnels.all_closed().await;
+    };
+    match tokio::time::timeout(grace, drained).await {
         Ok(()) => 0,
         Err(_) => {
-            tracing::warn!(?grace, "grace period over with connections still open");
-            open
+            tracing::warn!(
+                ?grace,
+                upgraded = tunnels.count(),
+                "grace period over with connections still open"
+            );
+            open + tunnels.count()
         }
     }
 }

@@ -141,7 +141,12 @@ pub async fn forward(
             let switched = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
             if let (true, Some(client_upgrade)) = (switched, client_upgrade) {
                 let upstream_upgrade = hyper::upgrade::on(&mut resp);
-                tokio::spawn(tunnel(client_upgrade, upstream_upgrade, route.name.clone()));
+                let open = proxy.tunnels.open();
+                let route = route.name.clone();
+                tokio::spawn(async move {
+                    tunnel(client_upgrade, upstream_upgrade, route).await;
+                    drop(open);
+                });
             }
             let (mut parts, body) = resp.into_parts();
             headers::strip_hop_by_hop(&mut parts.headers, switched);

@@ -10,6 +10,7 @@ pub mod h1;
 pub mod headers;
 pub mod request_id;
 pub mod response;
+pub mod tunnels;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -41,6 +42,8 @@ pub struct Proxy {
     pub client: forward::Client,
     /// `X-Forwarded-Proto` for requests on this listener.
     pub proto: &'static str,
+    /// Upgraded connections still open, which the drain waits for.
+    pub tunnels: Arc<tunnels::Tunnels>,
 }
 
 impl Proxy {
