@@ -135,9 +135,17 @@ fn check(
     }
 }
 
+/// `RUST_LOG` as the filter; unset or empty means `info` (an empty filter would silence even
+/// errors, a refused reload included), and one that does not parse is `info` and said so.
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let given = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty());
+    let (filter, refused) = match given.as_deref().map(tracing_subscriber::EnvFilter::try_new) {
+        Some(Ok(filter)) => (filter, None),
+        Some(Err(e)) => (tracing_subscriber::EnvFilter::new("info"), Some(e)),
+        None => (tracing_subscriber::EnvFilter::new("info"), None),
+    };
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -147,14 +155,27 @@ fn init_logging(format: LogFormat) {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    if let (Some(e), Some(given)) = (refused, given) {
+        tracing::warn!(rust_log = %given, error = %e, "RUST_LOG is not a filter; logging at info");
+    }
+}
+
+/// A reason `run` stops: as a log event in JSON mode (every stderr line then parses), else as
+/// a plain line (`PATH:LINE:COL: message` for a bad file, as `check` prints it).
+fn fatal(format: LogFormat, message: &str) {
+    match format {
+        LogFormat::Json => tracing::error!("{message}"),
+        LogFormat::Text => eprintln!("{message}"),
+    }
 }
 
 fn run(args: RunArgs) -> ExitCode {
-    init_logging(args.log_format.unwrap_or(LogFormat::Text));
+    let format = args.log_format.unwrap_or(LogFormat::Text);
+    init_logging(format);
     let rt = match runtime_builder().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("tollgate: cannot start the runtime: {e}");
+            fatal(format, &format!("tollgate: cannot start the runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -165,11 +186,11 @@ fn run(args: RunArgs) -> ExitCode {
             if e.downcast_ref::<AppError>()
                 .is_some_and(|e| matches!(e, AppError::Config(_))) =>
         {
-            eprintln!("{e:#}");
+            fatal(format, &format!("{e:#}"));
             ExitCode::FAILURE
         }
         Err(e) => {
-            eprintln!("tollgate: {e:#}");
+            fatal(format, &format!("tollgate: {e:#}"));
             ExitCode::FAILURE
         }
     }

@@ -218,3 +218,59 @@ fn run_on_a_busy_port_exits_1_naming_the_address_and_the_cause_once() {
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");
     assert_eq!(err.matches("os error").count(), 1, "{err}");
 }
+
+/// With `--log-format json` every line on stderr is a JSON object, the reason `run` stops
+/// included (a bad file: its `PATH:LINE:COL: message`; a busy port); and an empty `RUST_LOG`
+/// means the default level, not silence.
+#[test]
+fn json_logs_hold_the_fatal_error_and_an_empty_rust_log_still_logs() {
+    let dir = std::env::temp_dir().join(format!("tollgate-cli-json-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.yaml");
+    std::fs::write(&path, "routes: 5\n").unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml");
+    let cases: [(&[&str], String); 2] = [
+        (
+            &[
+                "run",
+                "--log-format",
+                "json",
+                "--config",
+                path.to_str().unwrap(),
+            ],
+            format!("{}:1:", path.display()),
+        ),
+        (
+            &[
+                "run",
+                "--log-format",
+                "json",
+                "--config",
+                shipped,
+                "--listen",
+                &addr,
+                "--admin",
+                "127.0.0.1:0",
+            ],
+            format!("cannot listen on {addr}"),
+        ),
+    ];
+    for (args, wanted) in cases {
+        let out = tollgate().args(args).env("RUST_LOG", "").output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<serde_json::Value> = stderr
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        let last = lines
+            .last()
+            .unwrap_or_else(|| panic!("nothing logged: {args:?}"));
+        assert_eq!(last["level"], "ERROR", "{last}");
+        let message = last["fields"]["message"].as_str().unwrap();
+        assert!(message.contains(&wanted), "{message}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
