@@ -143,6 +143,12 @@ impl Gcra {
                 };
                 Ok((snapshot, rejection.retry_after))
             }
+            // Retry-After is when the same request is admitted, and with a wait of up to
+            // `max_delay` allowed that comes `max_delay` before the slot itself.
+            Err(rejection) if max_delay > 0 && cost <= self.max_cost() => Err(Rejection {
+                retry_after: rejection.retry_after - max_delay,
+                ..rejection
+            }),
             Err(rejection) => Err(rejection),
         }
     }
@@ -305,10 +311,16 @@ mod tests {
             Ok((g.check(&g.new_state(), now, 1).unwrap(), 0))
         );
         // Empty bucket: the next slot is one interval away.
+        // One µs short: rejected, and the same request is admitted (with a wait of 99,999
+        // µs) 1 µs later.
         assert_eq!(
             g.reserve(&s, now, 1, 99_999),
-            Err(g.check(&s, now, 1).unwrap_err())
+            Err(Rejection {
+                retry_after: 1,
+                ..g.check(&s, now, 1).unwrap_err()
+            })
         );
+        assert!(g.reserve(&s, now + 1, 1, 99_999).is_ok());
         assert_eq!(
             g.reserve(&s, now, 1, 100_000),
             Ok((

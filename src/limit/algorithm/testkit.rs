@@ -95,8 +95,23 @@ pub fn simulate_reserve(alg: &Algorithm, events: &[Event], max_delay: Micros) ->
                 (snapshot, delay)
             }
             (Err(rejection), Err(again)) => {
-                assert_eq!(again, rejection);
                 assert!(rejection.retry_after > max_delay);
+                if alg.can_reserve() && max_delay > 0 && cost <= alg.max_cost() {
+                    // A delay limit's Retry-After: when the same request is admitted, with a
+                    // wait of up to max_delay; exact to the µs.
+                    let r = rejection.retry_after - max_delay;
+                    assert_eq!(
+                        again,
+                        Rejection {
+                            retry_after: r,
+                            ..rejection
+                        }
+                    );
+                    assert!(alg.reserve(&state, now + r, cost, max_delay).is_ok());
+                    assert!(alg.reserve(&state, now + r - 1, cost, max_delay).is_err());
+                } else {
+                    assert_eq!(again, rejection);
+                }
                 assert_rejection(alg, &state, now, cost, &rejection);
                 continue;
             }

@@ -153,6 +153,10 @@ BUILD[1] = function()
         if wait <= l.max_delay and l.cost <= l.burst then
           return 1, 0, new_tat - now, wait
         end
+        -- With waits of up to max_delay allowed, the same request is admitted that much sooner.
+        if l.max_delay > 0 and l.cost <= l.burst then
+          wait = wait - l.max_delay
+        end
         return 0, takeable(s, base - now), base - now, wait
       end
       return 1, takeable(s, new_tat - now), new_tat - now, 0
