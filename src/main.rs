@@ -251,5 +251,14 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    tracing::info!("shutdown requested: draining");
+    tracing::info!("shutdown requested: draining (a second SIGTERM/SIGINT exits at once)");
+    // An operator who pressed Ctrl-C twice wants out now, not after the grace period.
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::warn!("second shutdown signal: exiting without finishing the drain");
+        std::process::exit(1);
+    });
 }

@@ -185,3 +185,31 @@ async fn sigterm_keeps_an_upgraded_connection_until_it_closes() {
     drop(s);
     assert!(p.exited_ok().await);
 }
+
+/// A second SIGTERM / SIGINT during the drain exits at once (status 1), without waiting for
+/// the in-flight request or the grace period, as an operator pressing Ctrl-C twice expects.
+#[tokio::test]
+async fn a_second_signal_exits_at_once() {
+    let up = Upstream::start().await;
+    let mut p = start(&up.url(), "1000/1s").await;
+    let slow = tokio::spawn({
+        let url = format!("{}/slow?ms=4000", p.proxy);
+        let c = client();
+        async move { c.get(url).send().await.map(|r| r.status().as_u16()) }
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while up.hits() == 0 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    p.signal("INT");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    p.signal("INT");
+    assert_eq!(p.exit_code().await, Some(1));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(
+        slow.await.unwrap().is_err(),
+        "the in-flight request was cut"
+    );
+}

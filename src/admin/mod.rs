@@ -139,7 +139,8 @@ async fn limit_state(
     let Some(l) = r.limits.limits.iter().find(|l| *l.name == *limit) else {
         return not_found("no such limit on this route");
     };
-    let Some(key) = q.get("key") else {
+    // An empty key is no key: requests never get one (an empty value is a missing part).
+    let Some(key) = q.get("key").filter(|k| !k.is_empty()) else {
         return (
             StatusCode::BAD_REQUEST,
             Json(json!({"error": "missing ?key="})),

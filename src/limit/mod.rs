@@ -221,6 +221,17 @@ impl Limit {
     }
 }
 
+/// Logs an `on_error: deny` answer at most once a second: an outage under load would otherwise
+/// write a line per request. Every one is counted (`tollgate_redis_errors_total`, and the 503s
+/// in `tollgate_requests_total`), and the circuit breaker logs when it opens and closes.
+fn warn_deny(now: Micros, e: &redis::RedisError) {
+    static LAST_SECOND: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+    let second = now / 1_000_000;
+    if LAST_SECOND.swap(second, std::sync::atomic::Ordering::Relaxed) != second {
+        tracing::warn!(error = %e, "redis unavailable: on_error deny (logged once a second)");
+    }
+}
+
 /// `w` of `RateLimit-Policy`: whole seconds, rounded up as Retry-After is (1500ms is 2, 500ms
 /// is 1), so a client pacing itself by `w` never goes faster than the limit.
 fn policy_window(period: Duration) -> u128 {
@@ -778,7 +789,7 @@ impl LimitSet {
                     .find(|s| !self.limits[s.0].shadow)
                     .map_or(0, |s| s.0);
                 if cx.on_error == OnError::Deny {
-                    tracing::warn!(error = %e, "redis unavailable: on_error deny");
+                    warn_deny(cx.now, &e);
                     return Verdict::Unavailable {
                         limit: first_global,
                     };

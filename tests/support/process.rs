@@ -77,10 +77,15 @@ impl Proc {
 
     /// Waits (at most 5 s) for the process to exit and returns whether it exited 0.
     pub async fn exited_ok(&mut self) -> bool {
+        self.exit_code().await == Some(0)
+    }
+
+    /// Waits (at most 5 s) for the process to exit and returns its exit code.
+    pub async fn exit_code(&mut self) -> Option<i32> {
         let t = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                return status.success();
+                return status.code();
             }
             assert!(t.elapsed() < Duration::from_secs(5), "did not exit");
             tokio::time::sleep(Duration::from_millis(20)).await;
