@@ -936,3 +936,31 @@ async fn differing_repeated_key_values_are_refused_and_empty_ones_are_missing_on
         "only the two unambiguous requests reached the upstream"
     );
 }
+
+/// The route `timeout` bounds the whole upstream exchange: an upstream that sends its head and
+/// then stalls in the body has the response cut at the deadline on both paths — the client
+/// sees the body fail, never a complete-looking one — while a body within the deadline passes.
+#[tokio::test]
+async fn a_body_stalled_past_the_route_timeout_is_cut_on_both_paths() {
+    let up = Upstream::start().await;
+    let config = yaml(&up.url(), "    timeout: 300ms\n");
+    let (fast, general) = both_paths_of(&config).await;
+    let c = support::client();
+    for g in [&fast, &general] {
+        let r = c.get(g.url("/late-body?ms=50")).send().await.unwrap();
+        assert_eq!(r.text().await.unwrap(), "late\n");
+        let t = std::time::Instant::now();
+        let r = c.get(g.url("/late-body?ms=3000")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(
+            r.text().await.is_err(),
+            "a cut body must not read as complete"
+        );
+        let took = t.elapsed();
+        assert!(
+            took >= std::time::Duration::from_millis(250)
+                && took < std::time::Duration::from_secs(2),
+            "{took:?}"
+        );
+    }
+}

@@ -24,6 +24,7 @@ use hyper::body::Incoming;
 
 pub use self::client::{Client, UpstreamError};
 pub use self::pool::Host;
+use super::deadline::BodyDeadline;
 use super::{Body, Proxy, headers, response};
 use crate::runtime::{Route, Runtime, Upstream};
 
@@ -135,6 +136,10 @@ pub async fn forward(
         Ok(Ok(Exchange::Plain(mut resp))) => {
             headers::strip_hop_by_hop(resp.headers_mut(), false);
             *resp.version_mut() = client_version;
+            resp.extensions_mut().insert(BodyDeadline {
+                at: deadline,
+                route: route.name.clone(),
+            });
             resp
         }
         Ok(Ok(Exchange::Other(mut resp))) => {
@@ -151,6 +156,12 @@ pub async fn forward(
             let (mut parts, body) = resp.into_parts();
             headers::strip_hop_by_hop(&mut parts.headers, switched);
             parts.version = client_version;
+            if !switched {
+                parts.extensions.insert(BodyDeadline {
+                    at: deadline,
+                    route: route.name.clone(),
+                });
+            }
             Response::from_parts(parts, body.boxed())
         }
         // The client sent a body it could not finish (a malformed chunk): its fault, not the

@@ -5,6 +5,7 @@
 //! upstream's body streams back, neither buffered. Errors map to responses in one place each
 //! (see [`response`]).
 
+pub mod deadline;
 pub mod forward;
 pub mod h1;
 pub mod headers;
@@ -51,8 +52,10 @@ impl Proxy {
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
-    ) -> Result<Response<Body>, Infallible> {
-        Ok(self.handle(req, peer).await)
+    ) -> Result<Response<deadline::Served>, Infallible> {
+        let mut resp = self.handle(req, peer).await;
+        let at = resp.extensions_mut().remove::<deadline::BodyDeadline>();
+        Ok(resp.map(|body| deadline::Served::new(body, at)))
     }
 
     pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {

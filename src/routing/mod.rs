@@ -29,12 +29,20 @@ impl Matcher {
             && self
                 .host
                 .as_deref()
-                .is_none_or(|want| host.is_some_and(|h| strip_port(h).eq_ignore_ascii_case(want)))
+                .is_none_or(|want| host.is_some_and(|h| bare_host(h).eq_ignore_ascii_case(want)))
             && self
                 .methods
                 .as_ref()
                 .is_none_or(|ms| ms.iter().any(|m| m == method))
     }
+}
+
+/// The host a `host:` match compares: without the port, and without the trailing dot of a
+/// fully qualified name (`api.example.com.:443` is `api.example.com`, as DNS and nginx's
+/// `server_name` read it).
+fn bare_host(host: &str) -> &str {
+    let h = strip_port(host);
+    h.strip_suffix('.').unwrap_or(h)
 }
 
 /// `host:port` → `host`, keeping IPv6 literals (`[::1]:80` → `[::1]`).
@@ -222,6 +230,10 @@ mod tests {
             Some(1)
         );
         assert_eq!(t.find(&Method::GET, Some("other"), "/x"), Some(2));
+        // A fully qualified name's trailing dot is the same host.
+        for fqdn in ["api.example.com.", "api.example.com.:443"] {
+            assert_eq!(t.find(&Method::GET, Some(fqdn), "/x"), Some(1), "{fqdn}");
+        }
         assert_eq!(t.find(&Method::POST, None, "/login/x"), Some(2));
     }
 

@@ -474,30 +474,42 @@ impl Conn {
         self.ubuf.advance(resp.len);
         push_body(&mut self.out, &self.ubuf[..n], rechunk);
         self.ubuf.advance(n);
+        // The route's timeout bounds the whole exchange: a body still coming at the deadline
+        // is cut (see `proxy::deadline`, which does the same on the general path).
         let relayed = if body_sent {
-            relay(
-                &mut self.client,
-                &mut up,
-                &mut self.ubuf,
-                &mut self.out,
-                &mut framing,
-                rechunk,
+            tokio::time::timeout_at(
+                deadline,
+                relay(
+                    &mut self.client,
+                    &mut up,
+                    &mut self.ubuf,
+                    &mut self.out,
+                    &mut framing,
+                    rechunk,
+                ),
             )
             .await
         } else {
-            relay_duplex(
-                &mut self.client,
-                &mut self.rbuf,
-                &mut head.framing,
-                &mut pump,
-                &mut up,
-                &mut self.ubuf,
-                &mut self.out,
-                &mut framing,
-                rechunk,
+            tokio::time::timeout_at(
+                deadline,
+                relay_duplex(
+                    &mut self.client,
+                    &mut self.rbuf,
+                    &mut head.framing,
+                    &mut pump,
+                    &mut up,
+                    &mut self.ubuf,
+                    &mut self.out,
+                    &mut framing,
+                    rechunk,
+                ),
             )
             .await
         };
+        let relayed = relayed.unwrap_or_else(|_| {
+            tracing::warn!(route = %route.name, "upstream timed out in the response body: cut");
+            Err(())
+        });
         if relayed.is_err() {
             // Cut short on either side: the client must see the body end badly, not complete.
             return (resp.status, Step::Close { linger: false });
