@@ -300,19 +300,20 @@ impl App {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) {
         let shared = self.shared;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        // The admin listener and the eventual syncer outlive the drain (metrics and `/readyz`
+        // stay readable; units admitted during it are pushed); they stop once the proxy
+        // listener is done.
+        let (after_drain, drained) = tokio::sync::watch::channel(false);
         let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
-        let syncer = tokio::spawn(sync_eventual(shared.clone(), stop_rx.clone()));
+        let syncer = tokio::spawn(sync_eventual(shared.clone(), drained.clone()));
         let watcher = shared
             .options
             .config_path
             .clone()
             .map(|path| tokio::spawn(watch(shared.clone(), path, stop_rx.clone())));
-        // The admin listener outlives the drain (metrics and `/readyz` stay readable); it
-        // stops once the proxy listener is done.
-        let (admin_stop, admin_stopped) = tokio::sync::watch::channel(false);
         let admin = {
             let router = crate::admin::router(shared.clone());
-            let mut rx = admin_stopped;
+            let mut rx = drained;
             tokio::spawn(async move {
                 let stop = async move {
                     let _ = rx.wait_for(|s| *s).await;
@@ -342,12 +343,14 @@ impl App {
             grace,
         )
         .await;
-        let _ = admin_stop.send(true);
+        let _ = after_drain.send(true);
         if left > 0 {
             tracing::warn!(connections = left, "exiting with connections still open");
         }
         sweeper.abort();
-        syncer.abort();
+        // Its last pass pushes what was admitted since the previous one (bounded: a Redis that
+        // does not answer costs its timeout per call, all calls at once).
+        let _ = tokio::time::timeout(Duration::from_secs(2), syncer).await;
         if let Some(w) = watcher {
             w.abort();
         }
@@ -398,12 +401,19 @@ async fn sync_eventual(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiv
     let mut tick = tokio::time::interval(SYNC_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.wait_for(|s| *s) => return,
-        }
+        // After the drain: one last pass over every eventual limit, then stop, so the units
+        // admitted since the last sync are not lost with the process.
+        let last = tokio::select! {
+            _ = tick.tick() => false,
+            _ = stop.wait_for(|s| *s) => true,
+        };
         let rt = shared.proxy.runtime.load_full();
-        let Some(redis) = &rt.redis else { continue };
+        let Some(redis) = &rt.redis else {
+            if last {
+                return;
+            }
+            continue;
+        };
         let now = shared.proxy.clock.now();
         let due = rt
             .routes
@@ -411,12 +421,15 @@ async fn sync_eventual(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiv
             .flat_map(|r| r.limits.limits.iter())
             .filter(|l| {
                 l.eventual.as_ref().is_some_and(|ev| {
-                    let last = ev.last_sync.load(std::sync::atomic::Ordering::Relaxed);
-                    now >= last + l.sync_interval
+                    let synced = ev.last_sync.load(std::sync::atomic::Ordering::Relaxed);
+                    last || now >= synced + l.sync_interval
                 })
             });
         let jobs = due.map(|l| sync_limit(&shared, redis, l, now));
         futures_util::future::join_all(jobs).await;
+        if last {
+            return;
+        }
     }
 }
 

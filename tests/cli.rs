@@ -220,8 +220,8 @@ fn run_on_a_busy_port_exits_1_naming_the_address_and_the_cause_once() {
 }
 
 /// With `--log-format json` every line on stderr is a JSON object, the reason `run` stops
-/// included (a bad file: its `PATH:LINE:COL: message`; a busy port); and an empty `RUST_LOG`
-/// means the default level, not silence.
+/// included (a bad file: its `PATH:LINE:COL: message`; a busy port), whatever `RUST_LOG` says
+/// (empty, or `off`); a `RUST_LOG` that does not parse is the default level with a warning.
 #[test]
 fn json_logs_hold_the_fatal_error_and_an_empty_rust_log_still_logs() {
     let dir = std::env::temp_dir().join(format!("tollgate-cli-json-{}", std::process::id()));
@@ -257,8 +257,12 @@ fn json_logs_hold_the_fatal_error_and_an_empty_rust_log_still_logs() {
             format!("cannot listen on {addr}"),
         ),
     ];
-    for (args, wanted) in cases {
-        let out = tollgate().args(args).env("RUST_LOG", "").output().unwrap();
+    for ((args, wanted), rust_log) in cases.into_iter().zip(["", "off"]) {
+        let out = tollgate()
+            .args(args)
+            .env("RUST_LOG", rust_log)
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         let lines: Vec<serde_json::Value> = stderr
@@ -271,6 +275,27 @@ fn json_logs_hold_the_fatal_error_and_an_empty_rust_log_still_logs() {
         assert_eq!(last["level"], "ERROR", "{last}");
         let message = last["fields"]["message"].as_str().unwrap();
         assert!(message.contains(&wanted), "{message}");
+        let stamp = last["timestamp"].as_str().unwrap();
+        assert!(stamp.len() == 27 && stamp.ends_with('Z'), "{stamp}");
     }
+    // A RUST_LOG that does not parse is the default level, and says so.
+    let out = tollgate()
+        .args([
+            "run",
+            "--log-format",
+            "json",
+            "--config",
+            path.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "tollgate==x")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("\"level\":\"WARN\"") && l.contains("RUST_LOG is not a filter")),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -241,7 +241,8 @@ async fn a_shadow_limit_on_another_node_is_charged_only_with_the_request() {
 /// up, only that slot's keys affected. Once the move ends, the old owner answers `MOVED`,
 /// which is followed. Before, fred counted the redirection as a second attempt: a `MOVED`
 /// failed the call, and an `ASK` ended the connection's task for good (every later call on it
-/// timed out).
+/// timed out). Should a fred upgrade follow `ASK`, the `during` assertion fails: the moving
+/// key is then admitted, and the README's Cluster note is to be updated with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moving_slot_costs_only_its_own_keys_and_is_followed_once_moved() {
     let cluster = RedisCluster::start();

@@ -182,8 +182,15 @@ async fn sigterm_keeps_an_upgraded_connection_until_it_closes() {
     let metrics = c.get(format!("{}/metrics", p.admin)).send().await.unwrap();
     assert_eq!(metrics.status(), 200);
 
+    let closed = Instant::now();
     drop(s);
     assert!(p.exited_ok().await);
+    // Ended by the tunnel closing, not by the 5 s grace period running out.
+    assert!(
+        closed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        closed.elapsed()
+    );
 }
 
 /// A second SIGTERM / SIGINT during the drain exits at once (status 1), without waiting for

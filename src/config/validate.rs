@@ -465,7 +465,9 @@ fn match_host(t: &Text) -> Checked<String> {
             "has a port: hosts match without their port, write only the host name",
         ));
     }
-    Ok(authority.host().to_ascii_lowercase())
+    // `api.example.com.` is the same host (routing compares requests' hosts without it too).
+    let host = authority.host();
+    Ok(host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase())
 }
 
 fn method(t: &Text) -> Checked<http::Method> {

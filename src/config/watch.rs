@@ -35,7 +35,9 @@ impl ConfigWatch {
         let n = changed.clone();
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                if event.is_ok() {
+                // Opens and reads change nothing, and the watcher's own read of the file
+                // (and the reload's) would otherwise wake it again, forever.
+                if event.is_ok_and(|e| !matches!(e.kind, notify::EventKind::Access(_))) {
                     n.notify_one();
                 }
             })?;

@@ -71,6 +71,9 @@ impl KeySpec {
                     push_ip(out, req.client_ip);
                     true
                 }
+                KeyPart::Header(name) if name == http::header::COOKIE => {
+                    push_cookie(out, req.headers)
+                }
                 KeyPart::Header(name) => match header_value(req.headers, name) {
                     Value::One(v) => {
                         push_escaped(out, v);
@@ -201,6 +204,27 @@ fn header_value<'a>(headers: &'a HeaderMap, name: &http::HeaderName) -> Value<'a
     } else {
         Value::One(first.as_bytes())
     }
+}
+
+/// The `Cookie` field is one value sent in pieces (HTTP/2 clients send each cookie as its own
+/// field line, RFC 9113 §8.2.3), so its pieces are joined with `; ` as the upstream rejoins
+/// them, not taken for differing values.
+fn push_cookie(out: &mut Vec<u8>, headers: &HeaderMap) -> bool {
+    let mut joined = smallvec::SmallVec::<[u8; 128]>::new();
+    for v in headers.get_all(http::header::COOKIE) {
+        if v.is_empty() {
+            continue;
+        }
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    if joined.is_empty() {
+        return false;
+    }
+    push_escaped(out, &joined);
+    true
 }
 
 /// The raw (still percent-encoded) value of the `name=` parameter; a bare `name` or `name=` is
@@ -430,6 +454,16 @@ mod tests {
                 "{empty}"
             );
         }
+        // Cookie pieces (one field line each over HTTP/2) are one value, joined as the
+        // upstream joins them.
+        let cookie = spec(KeyPart::Header(http::header::COOKIE));
+        let mut h = HeaderMap::new();
+        h.append("cookie", HeaderValue::from_static("a=1"));
+        h.append("cookie", HeaderValue::from_static("b=2"));
+        assert_eq!(
+            build(&cookie, &parts(&root, &h)),
+            (KeyOutcome::Built, "a=1;%20b=2".into())
+        );
     }
 
     #[test]

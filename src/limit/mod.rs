@@ -405,10 +405,16 @@ impl LimitSet {
                     limit.metrics.rejected.inc();
                     return Verdict::MissingKey { limit: i, part };
                 }
-                // Refused before any limit decides: a malformed request, not a rate decision.
-                // A shadow limit refuses nothing: it does not apply.
-                KeyOutcome::Ambiguous(_) if limit.shadow => {}
-                KeyOutcome::Ambiguous(part) => return Verdict::AmbiguousKey { limit: i, part },
+                // Refused (400) before any limit decides, counted as this limit's rejection as
+                // a missing key is; a shadow limit counts what enforcing it would have refused
+                // and does not apply.
+                KeyOutcome::Ambiguous(_) if limit.shadow => {
+                    limit.metrics.shadow_rejected.inc();
+                }
+                KeyOutcome::Ambiguous(part) => {
+                    limit.metrics.rejected.inc();
+                    return Verdict::AmbiguousKey { limit: i, part };
+                }
             }
         }
         if let Some(redis) = cx.redis {

@@ -3,8 +3,9 @@
 //! The request body streams through untouched; the upstream request is rewritten only where a
 //! proxy must: absolute-form URI for the client, hop-by-hop fields removed, `X-Forwarded-*` set,
 //! `Host` kept or replaced per `preserve_host`. It is sent as HTTP/1.1, or as HTTP/2 to an
-//! `https://` upstream that offers `h2` (see [`client`]). The route's `timeout` bounds the wait
-//! for the upstream's response head: past it, 504.
+//! `https://` upstream that offers `h2` (see [`client`]). The route's `timeout` bounds the whole
+//! exchange: no response head by then is a 504, and a body still coming then is cut (see
+//! [`super::deadline`]).
 
 mod client;
 pub(crate) mod pool;

@@ -104,8 +104,11 @@ impl DenyCache {
         let hash = self.map.hash(key);
         let shard = self.map.lock(hash);
         let d = shard.get(hash, key, now)?;
-        (d.admit_at.saturating_sub(max_delay) > now).then(|| Rejection {
-            retry_after: d.admit_at - now,
+        // A delaying limit admits (with a wait) from `admit_at − max_delay` on: that is its
+        // Retry-After, as the core's and the script's.
+        let admissible_at = d.admit_at.saturating_sub(max_delay);
+        (admissible_at > now).then(|| Rejection {
+            retry_after: admissible_at - now,
             remaining: d.remaining,
             reset_after: d.reset_at.saturating_sub(now),
         })
@@ -156,13 +159,15 @@ impl DenyCache {
         }
     }
 
-    /// Learns from Redis rejecting `key`'s request in a script sent at local time `sent`.
+    /// Learns from Redis rejecting `key`'s request in a script sent at local time `sent`. A
+    /// delaying limit's `retry_after` is already `max_delay` short of the slot (when a wait
+    /// would be allowed): the slot itself is `max_delay` later.
     pub fn rejected(&self, key: &[u8], sent: Micros, r: &Rejection, max_delay: Micros) {
         self.record(
             key,
             sent,
             Deny {
-                admit_at: sent + r.retry_after,
+                admit_at: sent + r.retry_after + max_delay,
                 reset_at: sent + r.reset_after.max(r.retry_after),
                 remaining: r.remaining,
                 probing: false,
@@ -299,6 +304,33 @@ mod tests {
         assert!(c.check(b"k", now + r.retry_after - 1, 0).is_some());
         assert!(c.check(b"k", now + r.retry_after, 0).is_none());
         assert!(alg.check(&state, now + r.retry_after, 1).is_ok());
+    }
+
+    /// A delaying gcra limit: the tier rejects exactly while the core's `reserve` would, and
+    /// answers the same Retry-After (when the request is admitted with a wait of up to
+    /// `max_delay`), whether it learned from a rejection or from admissions.
+    #[test]
+    fn a_delaying_limit_is_mirrored_with_the_cores_retry_after() {
+        let alg = Algorithm::Gcra(Gcra::new(Q));
+        let now = 5_000_000;
+        let mut state = alg.new_state();
+        let from_admissions = DenyCache::default();
+        let max_delay = 150_000;
+        while let Ok((s, _)) = alg.reserve(&state, now, 1, max_delay) {
+            alg.commit(&mut state, now, 1);
+            from_admissions.admitted(b"k", now, &alg, 1, &s, max_delay);
+        }
+        let r = alg.reserve(&state, now, 1, max_delay).unwrap_err();
+        let from_rejection = DenyCache::default();
+        from_rejection.rejected(b"k", now, &r, max_delay);
+        for c in [&from_admissions, &from_rejection] {
+            assert_eq!(c.check(b"k", now, max_delay), Some(r));
+            let at = now + r.retry_after;
+            assert!(c.check(b"k", at - 1, max_delay).is_some());
+            assert!(c.check(b"k", at, max_delay).is_none());
+            assert!(alg.reserve(&state, at, 1, max_delay).is_ok());
+            assert!(alg.reserve(&state, at - 1, 1, max_delay).is_err());
+        }
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The Redis tier's error type, and how fred's errors map onto it.
 //!
 //! The split that matters to callers is "Redis is unhealthy" ([`RedisError::Timeout`],
-//! [`RedisError::Connection`], [`RedisError::Unavailable`]: fall back per `on_error`) versus
-//! "Redis answered but the answer is wrong" ([`RedisError::Script`],
-//! [`RedisError::Protocol`]: a bug or a bad deployment, which a retry will not fix).
+//! [`RedisError::Connection`], [`RedisError::Unavailable`]: fall back per `on_error`, and
+//! count towards the circuit breaker) versus "Redis answered but the answer is wrong"
+//! ([`RedisError::Script`], [`RedisError::Protocol`]: a bug or a bad deployment, which a retry
+//! will not fix). [`RedisError::Redirect`] (a Cluster slot being moved) falls back too, but
+//! only for that slot's keys, and does not count towards the breaker.
 
 use fred::error::{Error as FredError, ErrorKind};
 
@@ -33,7 +35,6 @@ const OUTAGE_REPLIES: &[&str] = &[
     "LOADING",
     "BUSY",
     "MASTERDOWN",
-    "TRYAGAIN",
     "READONLY",
     "CLUSTERDOWN",
     "OOM",
@@ -73,6 +74,10 @@ impl From<FredError> for RedisError {
                 let redis_reply = !code.is_empty() && code.bytes().all(|b| b.is_ascii_uppercase());
                 if OUTAGE_REPLIES.contains(&code) {
                     RedisError::Connection(details)
+                } else if code == "TRYAGAIN" {
+                    // A call on several keys of a slot being moved, some moved and some not:
+                    // the slot's move, like an unfollowed ASK, not Redis being down.
+                    RedisError::Redirect(details)
                 } else if redis_reply || *kind != ErrorKind::Unknown {
                     RedisError::Script(details)
                 } else {
@@ -116,6 +121,13 @@ mod tests {
             ),
             (
                 FredError::new(ErrorKind::Routing, "Too many redirections."),
+                "redirect",
+            ),
+            (
+                FredError::new(
+                    ErrorKind::Unknown,
+                    "TRYAGAIN Multiple keys during rehashing",
+                ),
                 "redirect",
             ),
             (

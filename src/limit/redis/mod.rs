@@ -30,7 +30,8 @@
 //! A command that timed out on our side may still run on Redis later (nothing can recall a
 //! command already written); it then consumes units of a request that was answered by the
 //! fallback. fred may send a call again after its connection dropped mid-flight (3 attempts,
-//! which Cluster redirections need too), so a decision can be charged twice, never skipped.
+//! which Cluster redirections need too), within its timeout: a decision can then be charged
+//! twice, never skipped. A call fred timed out it never writes or resends afterwards.
 
 mod breaker;
 mod error;
@@ -67,6 +68,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 /// Commands fred may queue per connection while (re)connecting; beyond it a call fails at
 /// once instead of piling up behind a dead Redis.
 const MAX_QUEUED_COMMANDS: usize = 1024;
+/// How much longer the bound on a call waits than fred's own per-command timeout.
+const OUTER_SLACK: Duration = Duration::from_millis(5);
 /// How long a connection whose task ended waits before it is started again.
 const RESTART_AFTER: Duration = Duration::from_millis(100);
 /// The probe loop's tick; [`PROBE_EVERY`] is enforced by the breaker.
@@ -209,7 +212,10 @@ impl Inner {
                 .evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args)
                 .await
         };
-        let result = match tokio::time::timeout(self.timeout, call).await {
+        // A hair longer than fred's own timeout (the same `timeout`, started a moment later),
+        // so that fred's fires first: it marks the command timed out, and fred then never
+        // writes it if it is still queued, nor sends it again after a reconnect.
+        let result = match tokio::time::timeout(self.timeout + OUTER_SLACK, call).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => Err(RedisError::from(e)),
             Err(_) => Err(timed_out(client)),
@@ -354,7 +360,7 @@ impl RedisStore {
                 // `ASK`ed command to the old owner, so the second `ASK` answers that call with
                 // an error (`redirect`, the on_error fallback) instead of spending the
                 // attempts and ending the task. The price of 3 attempts: a call whose
-                // connection dropped mid-flight may be sent again within the timeout (a
+                // connection dropped mid-flight may be sent again before it times out (a
                 // request charged twice, never one admitted over the limit).
                 c.max_command_attempts = 3;
                 c.max_redirections = 1;
@@ -691,34 +697,47 @@ impl RedisStore {
     }
 }
 
-/// PINGs while the breaker is open or Redis never answered. Holds only a weak reference,
-/// so it ends with the last [`RedisStore`] clone (or at shutdown).
 /// Runs one pool connection's task, and starts it again when it ends while the store is in
 /// use. fred's task reconnects by itself after a dropped connection, but ends for good on an
 /// error inside its command loop (a redirection it could not follow was one): its connection
 /// would then take every later call and answer none of them, a timeout each, until restart.
+/// Restarts back off from [`RESTART_AFTER`] to 5 s, so a task that keeps ending costs a log
+/// line every few seconds, not ten a second.
 async fn supervise(client: fred::clients::Client, inner: Weak<Inner>) {
     let stopped = || {
         inner
             .upgrade()
             .is_none_or(|i| i.shut_down.load(Ordering::SeqCst))
     };
+    let mut wait = RESTART_AFTER;
     loop {
-        let ended = client.connect().await;
+        let task = client.connect();
+        if stopped() {
+            // Shut down between the last check and this start: the QUIT may have gone to the
+            // task that ended, so this one must be stopped here or it reconnects forever.
+            let _ = tokio::time::timeout(Duration::from_secs(1), client.quit()).await;
+            return;
+        }
+        let started = Instant::now();
+        let ended = task.await;
         if stopped() {
             return;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            wait = RESTART_AFTER;
         }
         tracing::warn!(
             outcome = ?ended,
+            restart_in_ms = wait.as_millis() as u64,
             "a redis connection's task ended; starting it again"
         );
-        tokio::time::sleep(RESTART_AFTER).await;
-        if stopped() {
-            return;
-        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(5));
     }
 }
 
+/// PINGs while the breaker is open or Redis never answered. Holds only a weak reference,
+/// so it ends with the last [`RedisStore`] clone (or at shutdown).
 async fn probe_loop(inner: Weak<Inner>) {
     let mut tick = tokio::time::interval(PROBE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
