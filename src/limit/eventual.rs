@@ -541,6 +541,41 @@ impl EventualStore {
     /// for the real totals. Should the call never run (Redis lost it with everything else in a
     /// crash), those units are missing from Redis: the others may admit that many more.
     pub fn pushed_unanswered(&self, algorithm: &Algorithm, item: &SyncItem, local_now: Micros) {
+        let p = period(algorithm);
+        self.due_again(algorithm, item, local_now, |c| {
+            if matches!(algorithm, Algorithm::Gcra(_)) {
+                // The TAT here already holds these units; only the push is done.
+                c.own_curr -= item.push_curr.min(c.own_curr);
+            } else if c.ws == item.ws {
+                let (curr, prev) = (
+                    item.push_curr.min(c.own_curr),
+                    item.push_prev.min(c.own_prev),
+                );
+                c.own_curr -= curr;
+                c.known_curr += curr;
+                c.own_prev -= prev;
+                c.known_prev += prev;
+            } else if c.ws == item.ws + p {
+                let curr = item.push_curr.min(c.own_prev);
+                c.own_prev -= curr;
+                c.known_prev += curr;
+            }
+        });
+    }
+
+    /// A failed sync: the key is due again next time (its units were not taken off).
+    pub fn retry(&self, algorithm: &Algorithm, item: &SyncItem, local_now: Micros) {
+        self.due_again(algorithm, item, local_now, |_| {});
+    }
+
+    /// Marks a synced key (when still live) due for the next sync, after `f` on its counts.
+    fn due_again(
+        &self,
+        algorithm: &Algorithm,
+        item: &SyncItem,
+        local_now: Micros,
+        f: impl FnOnce(&mut Counts),
+    ) {
         let now = self.redis_now(local_now);
         let p = period(algorithm);
         let hash = self.map.hash(&item.key);
@@ -548,36 +583,8 @@ impl EventualStore {
         shard.update(hash, &item.key, now, Counts::default, |c, live| {
             if live {
                 c.touched = true;
-                if matches!(algorithm, Algorithm::Gcra(_)) {
-                    // The TAT here already holds these units; only the push is done.
-                    c.own_curr -= item.push_curr.min(c.own_curr);
-                } else if c.ws == item.ws {
-                    let (curr, prev) = (
-                        item.push_curr.min(c.own_curr),
-                        item.push_prev.min(c.own_prev),
-                    );
-                    c.own_curr -= curr;
-                    c.known_curr += curr;
-                    c.own_prev -= prev;
-                    c.known_prev += prev;
-                } else if c.ws == item.ws + p {
-                    let curr = item.push_curr.min(c.own_prev);
-                    c.own_prev -= curr;
-                    c.known_prev += curr;
-                }
+                f(c);
             }
-            c.expires(p)
-        });
-    }
-
-    /// A failed sync: the key is due again next time (its units were not taken off).
-    pub fn retry(&self, algorithm: &Algorithm, item: &SyncItem, local_now: Micros) {
-        let now = self.redis_now(local_now);
-        let p = period(algorithm);
-        let hash = self.map.hash(&item.key);
-        let mut shard = self.map.lock(hash);
-        shard.update(hash, &item.key, now, Counts::default, |c, live| {
-            c.touched |= live;
             c.expires(p)
         });
     }
