@@ -964,3 +964,53 @@ async fn a_body_stalled_past_the_route_timeout_is_cut_on_both_paths() {
         );
     }
 }
+
+/// A path no upstream should get (dot segments, bad escapes) is a 400 before routing on both
+/// paths, counted under `_unmatched`, also where no route would match it (it was a 404 then).
+#[tokio::test]
+async fn bad_paths_are_refused_before_routing_on_both_paths() {
+    let up = Upstream::start().await;
+    let config = format!(
+        "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n  - name: api\n    match: {{ path_prefix: /api }}\n    upstream: {}\n",
+        up.url()
+    );
+    let (fast, general) = both_paths_of(&config).await;
+    for g in [&fast, &general] {
+        for target in ["/x/../a", "/x/%zz", "/api/../x"] {
+            let r = ask(
+                g,
+                format!("GET {target} HTTP/1.1\r\nHost: h\r\n\r\n").as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 400, "{target}");
+        }
+        let m = g.metrics().await;
+        let n = support::metric(
+            &m,
+            "tollgate_requests_total{route=\"_unmatched\",status=\"400\"}",
+        );
+        assert_eq!(n, Some(3.0), "{m}");
+    }
+    assert_eq!(up.hits(), 0);
+}
+
+/// A request hyper cannot parse gets its 400 from hyper (both paths hand such bytes to it);
+/// that answer is counted under `_unmatched` like tollgate's own, so `tollgate_requests_total`
+/// holds every answer given.
+#[tokio::test]
+async fn unparsable_requests_are_counted_on_both_paths() {
+    let up = Upstream::start().await;
+    let (fast, general) = both_paths(&up.url()).await;
+    for g in [&fast, &general] {
+        let r = ask(g, b"GET / HTTP/1.1\r\nHost: h\r\nBad Header\r\n\r\n").await;
+        assert_eq!(r.status, 400);
+        let series = "tollgate_requests_total{route=\"_unmatched\",status=\"400\"}";
+        let t = std::time::Instant::now();
+        // Counted when hyper's connection task ends, just after the answer.
+        while support::metric(&g.metrics().await, series) != Some(1.0) {
+            assert!(t.elapsed() < Duration::from_secs(5), "never counted");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(up.hits(), 0);
+}

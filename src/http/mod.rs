@@ -93,9 +93,10 @@ pub async fn serve(
             if !proxy.runtime.load().config.server.fast_path {
                 let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
                 let conn = graceful.watch(conn);
+                let proxy = proxy.clone();
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, %peer, "connection ended with an error");
+                        ended_with(&proxy, peer, &*e);
                     }
                 });
                 continue;
@@ -193,8 +194,26 @@ async fn serve_tls(
             return;
         }
     };
-    let conn = serve_one(&builder, TokioIo::new(stream), proxy, peer);
+    let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
     if let Err(e) = watcher.watch(conn).await {
-        tracing::debug!(error = %e, %peer, "connection ended with an error");
+        ended_with(&proxy, peer, &*e);
     }
+}
+
+/// A general-path connection that ended with an error. One hyper ended on a request it could
+/// not parse, after answering it itself (400; 431 for a head too large), is counted under
+/// `_unmatched` as tollgate's own unroutable answers are, so `tollgate_requests_total` holds
+/// every answer given.
+pub(crate) fn ended_with(
+    proxy: &Proxy,
+    peer: SocketAddr,
+    e: &(dyn std::error::Error + Send + Sync + 'static),
+) {
+    if let Some(h) = e.downcast_ref::<hyper::Error>()
+        && h.is_parse()
+    {
+        let status = if h.is_parse_too_large() { 431 } else { 400 };
+        proxy.runtime.load().unmatched.request(status);
+    }
+    tracing::debug!(error = %e, %peer, "connection ended with an error");
 }

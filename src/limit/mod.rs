@@ -866,7 +866,10 @@ impl LimitSet {
                 Ok((snap, d)) => {
                     if *d > 0 {
                         l.metrics.delayed.inc();
-                        l.metrics.delay.observe(Duration::from_micros(*d));
+                        // Delays given: a shadow limit's is never waited for.
+                        if !l.shadow {
+                            l.metrics.delay.observe(Duration::from_micros(*d));
+                        }
                     } else {
                         l.metrics.allowed.inc();
                     }

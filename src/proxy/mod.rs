@@ -108,6 +108,13 @@ impl Proxy {
                 return timed(resp, started, &rt.unmatched.request_duration);
             }
         };
+        // A path no upstream should be sent (dot segments, bad escapes, NUL) is refused before
+        // routing, whether or not a route would match it: 400, never a 404.
+        if let Some(why) = path_problem(req.uri().path()) {
+            let resp = response::bad_request(why);
+            rt.unmatched.request(resp.status().as_u16());
+            return timed(resp, started, &rt.unmatched.request_duration);
+        }
         let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
@@ -131,9 +138,6 @@ impl Proxy {
         peer: SocketAddr,
         id: &http::HeaderValue,
     ) -> Response<Body> {
-        if let Some(why) = path_problem(req.uri().path()) {
-            return response::bad_request(why);
-        }
         let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
         let parts = RequestParts {
             method: req.method(),

@@ -100,9 +100,9 @@ pub async fn serve(
         prefix,
         inner: conn.client,
     };
-    let c = crate::http::serve_one(&ctl.builder, TokioIo::new(io), proxy, peer);
+    let c = crate::http::serve_one(&ctl.builder, TokioIo::new(io), proxy.clone(), peer);
     if let Err(e) = watcher.watch(c).await {
-        tracing::debug!(error = %e, %peer, "connection ended with an error");
+        crate::http::ended_with(&proxy, peer, &*e);
     }
 }
 
@@ -241,6 +241,20 @@ impl Conn {
             Some(r) if request_id::sane(&bytes[r.clone()]) => RequestId::Client(r),
             _ => RequestId::Ours(request_id::generate_hex()),
         };
+        // Refused before routing, as the general path does: 400 whether or not a route matches.
+        if let Some(why) = path_problem(uri.path()) {
+            let step = self
+                .answer(
+                    response::bad_request(why),
+                    &mut head,
+                    &bytes,
+                    &rid,
+                    &rt.unmatched,
+                )
+                .await;
+            rt.unmatched.request_duration.observe(started.elapsed());
+            return step;
+        }
         let Some(idx) = found else {
             let step = self
                 .answer(
@@ -283,10 +297,6 @@ impl Conn {
         rid: &RequestId,
         started: Instant,
     ) -> Step {
-        if let Some(why) = path_problem(uri.path()) {
-            let resp = response::bad_request(why);
-            return self.answer(resp, head, bytes, rid, &route.metrics).await;
-        }
         let peer_ip = self.peer.ip();
         let trusted = !rt.trusted_proxies.is_empty()
             && rt
