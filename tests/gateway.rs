@@ -510,6 +510,12 @@ async fn a_shadow_limit_neither_refuses_a_missing_key_nor_delays() {
     assert_eq!(decisions("shadow-tenant", "rejected"), Some(0.0), "{m}");
     assert_eq!(decisions("shadow-delay", "allowed"), Some(1.0), "{m}");
     assert_eq!(decisions("shadow-delay", "delayed"), Some(2.0), "{m}");
+    // Counted as delayed, but no delay was given: none in the histogram of delays given.
+    let given = metric(
+        &m,
+        "tollgate_delay_seconds_count{route=\"r\",limit=\"shadow-delay\"}",
+    );
+    assert!(given.is_none_or(|n| n == 0.0), "{m}");
 }
 
 #[tokio::test]
