@@ -758,3 +758,35 @@ async fn request_ids_are_kept_or_generated_and_sent_both_ways() {
     let r = c.get(g.url("/nowhere-at-all")).send().await;
     assert!(r.unwrap().headers().contains_key("x-request-id"));
 }
+
+/// A request whose every limit is skipped (its key part missing, `on_missing: skip`) is not a
+/// limiter decision: it is forwarded and counted in no decision or limiter-duration series
+/// (it was counted as a local decision).
+#[tokio::test]
+async fn a_request_no_limit_applies_to_is_no_limiter_decision() {
+    let up = Upstream::start().await;
+    let routes = "  - name: r
+    upstream: UPSTREAM
+    limits:
+      - name: per-user
+        key: [header:x-user]
+        rate: 1/1m
+";
+    let g = Gateway::start(&yaml(&up.url(), routes)).await;
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(c.get(g.url("/")).send().await.unwrap().status(), 200);
+    }
+    let m = g.metrics().await;
+    for series in [
+        "tollgate_limiter_duration_seconds_count{scope=\"local\"}",
+        "tollgate_limiter_tier_decisions_total{scope=\"local\",tier=\"local\"}",
+        "tollgate_limit_decisions_total{route=\"r\",limit=\"per-user\",decision=\"allowed\"}",
+    ] {
+        assert!(metric(&m, series).is_none_or(|n| n == 0.0), "{series}\n{m}");
+    }
+    assert_eq!(
+        metric(&m, "tollgate_requests_total{route=\"r\",status=\"200\"}"),
+        Some(3.0)
+    );
+}

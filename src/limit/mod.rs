@@ -446,6 +446,11 @@ impl LimitSet {
         cx: &Context<'_>,
         started: std::time::Instant,
     ) -> Verdict {
+        if spans.is_empty() {
+            // Every limit was skipped (a key part missing, `on_missing: skip`): nothing decided,
+            // so nothing is counted as a decision either.
+            return self.conclude(&Results::new());
+        }
         if spans.iter().any(|s| self.limits[s.0].is_global()) {
             // Boxed: the Redis path's state is large (about 13 KB of fred futures); inline, it
             // would be part of every request's future, local-only ones and waiters included.
