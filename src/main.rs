@@ -169,7 +169,7 @@ fn fatal(format: LogFormat, message: &str) {
         LogFormat::Json => eprintln!(
             "{}",
             serde_json::json!({
-                "timestamp": rfc3339_now(),
+                "timestamp": log_time_now(),
                 "level": "ERROR",
                 "fields": {"message": message},
                 "target": "tollgate",
@@ -179,30 +179,12 @@ fn fatal(format: LogFormat, message: &str) {
     }
 }
 
-/// Now in UTC as `2026-11-21T23:59:59.123456Z`, as the JSON logs write it.
-fn rfc3339_now() -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = now.as_secs();
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    // Days since 1970-01-01 to a civil date (Howard Hinnant's `civil_from_days`).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
-        rem / 3_600,
-        rem / 60 % 60,
-        rem % 60,
-        now.subsec_micros()
-    )
+/// Now, as the JSON logs write their timestamps (the logger's own formatter).
+fn log_time_now() -> String {
+    use tracing_subscriber::fmt::{format::Writer, time::FormatTime};
+    let mut now = String::new();
+    let _ = tracing_subscriber::fmt::time::SystemTime.format_time(&mut Writer::new(&mut now));
+    now
 }
 
 fn run(args: RunArgs) -> ExitCode {

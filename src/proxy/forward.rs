@@ -82,6 +82,11 @@ pub async fn forward(
 
     let started = Instant::now();
     let deadline = tokio::time::Instant::from_std(started) + route.timeout;
+    // Put on the response: the route's timeout also bounds its body (see `proxy::deadline`).
+    let body_deadline = || BodyDeadline {
+        at: deadline,
+        route: route.name.clone(),
+    };
     let mut result = None;
     for (i, upstream) in order.iter().enumerate() {
         // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own
@@ -137,10 +142,7 @@ pub async fn forward(
         Ok(Ok(Exchange::Plain(mut resp))) => {
             headers::strip_hop_by_hop(resp.headers_mut(), false);
             *resp.version_mut() = client_version;
-            resp.extensions_mut().insert(BodyDeadline {
-                at: deadline,
-                route: route.name.clone(),
-            });
+            resp.extensions_mut().insert(body_deadline());
             resp
         }
         Ok(Ok(Exchange::Other(mut resp))) => {
@@ -158,10 +160,7 @@ pub async fn forward(
             headers::strip_hop_by_hop(&mut parts.headers, switched);
             parts.version = client_version;
             if !switched {
-                parts.extensions.insert(BodyDeadline {
-                    at: deadline,
-                    route: route.name.clone(),
-                });
+                parts.extensions.insert(body_deadline());
             }
             Response::from_parts(parts, body.boxed())
         }

@@ -94,7 +94,9 @@ impl Proxy {
         } else if !headers::only_chunked(req.headers()) {
             Some(response::coding_not_implemented())
         } else {
-            None
+            // A path no upstream should be sent (dot segments, bad escapes, NUL) is refused
+            // before routing, whether or not a route would match it: 400, never a 404.
+            path_problem(req.uri().path()).map(response::bad_request)
         };
         if let Some(resp) = refused {
             rt.unmatched.request(resp.status().as_u16());
@@ -108,13 +110,6 @@ impl Proxy {
                 return timed(resp, started, &rt.unmatched.request_duration);
             }
         };
-        // A path no upstream should be sent (dot segments, bad escapes, NUL) is refused before
-        // routing, whether or not a route would match it: 400, never a 404.
-        if let Some(why) = path_problem(req.uri().path()) {
-            let resp = response::bad_request(why);
-            rt.unmatched.request(resp.status().as_u16());
-            return timed(resp, started, &rt.unmatched.request_duration);
-        }
         let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());

@@ -241,33 +241,23 @@ impl Conn {
             Some(r) if request_id::sane(&bytes[r.clone()]) => RequestId::Client(r),
             _ => RequestId::Ours(request_id::generate_hex()),
         };
-        // Refused before routing, as the general path does: 400 whether or not a route matches.
-        if let Some(why) = path_problem(uri.path()) {
-            let step = self
-                .answer(
-                    response::bad_request(why),
-                    &mut head,
-                    &bytes,
-                    &rid,
-                    &rt.unmatched,
-                )
-                .await;
-            rt.unmatched.request_duration.observe(started.elapsed());
-            return step;
-        }
-        let Some(idx) = found else {
-            let step = self
-                .answer(
-                    response::not_found(),
-                    &mut head,
-                    &bytes,
-                    &rid,
-                    &rt.unmatched,
-                )
-                .await;
-            tracing::debug!(request_id = visible(rid.bytes(&bytes)).unwrap_or("-"), method = %head.method, status = 404, "no route");
-            rt.unmatched.request_duration.observe(started.elapsed());
-            return step;
+        // A bad path is refused before routing, as the general path does: 400 whether or not a
+        // route matches. No route: 404.
+        let idx = match (path_problem(uri.path()), found) {
+            (None, Some(idx)) => idx,
+            (problem, _) => {
+                let resp = match problem {
+                    Some(why) => response::bad_request(why),
+                    None => response::not_found(),
+                };
+                let status = resp.status().as_u16();
+                let step = self
+                    .answer(resp, &mut head, &bytes, &rid, &rt.unmatched)
+                    .await;
+                tracing::debug!(request_id = visible(rid.bytes(&bytes)).unwrap_or("-"), method = %head.method, status, "not routed");
+                rt.unmatched.request_duration.observe(started.elapsed());
+                return step;
+            }
         };
         let route = &rt.routes[idx];
         let step = self
