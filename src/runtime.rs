@@ -329,6 +329,7 @@ mod tests {
         let (method, headers) = (http::Method::GET, http::HeaderMap::new());
         let cx = crate::limit::Context {
             now: crate::limit::clock::Clock::now(clock),
+            started: std::time::Instant::now(),
             clock,
             probe_wait: std::time::Duration::from_millis(50),
             redis: None,

@@ -58,9 +58,12 @@ pub enum KeyOutcome {
     Ambiguous(String),
 }
 
+/// A request's keys, built on the stack: one or two limits' keys fit without an allocation.
+pub type KeyBuf = smallvec::SmallVec<[u8; 128]>;
+
 impl KeySpec {
     /// Appends this limit's key for `req` to `out`. On `Skip`/`Reject` `out` is left as it was.
-    pub fn build(&self, req: &RequestParts<'_>, out: &mut Vec<u8>) -> KeyOutcome {
+    pub fn build(&self, req: &RequestParts<'_>, out: &mut KeyBuf) -> KeyOutcome {
         let start = out.len();
         for (i, part) in self.parts.iter().enumerate() {
             if i > 0 {
@@ -137,7 +140,7 @@ impl KeySpec {
     }
 }
 
-fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+fn push_ip(out: &mut KeyBuf, ip: IpAddr) {
     let mut buf = [0; IP_TEXT_MAX];
     out.extend_from_slice(ip_text(ip, &mut buf));
 }
@@ -209,7 +212,7 @@ fn header_value<'a>(headers: &'a HeaderMap, name: &http::HeaderName) -> Value<'a
 /// The `Cookie` field is one value sent in pieces (HTTP/2 clients send each cookie as its own
 /// field line, RFC 9113 §8.2.3), so its pieces are joined with `; ` as the upstream rejoins
 /// them, not taken for differing values.
-fn push_cookie(out: &mut Vec<u8>, headers: &HeaderMap) -> bool {
+fn push_cookie(out: &mut KeyBuf, headers: &HeaderMap) -> bool {
     let mut joined = smallvec::SmallVec::<[u8; 128]>::new();
     for v in headers.get_all(http::header::COOKIE) {
         if v.is_empty() {
@@ -285,7 +288,7 @@ pub fn from_admin(given: &str) -> Vec<u8> {
     {
         return given.as_bytes().to_vec();
     }
-    let mut out = Vec::with_capacity(given.len());
+    let mut out = KeyBuf::new();
     for (i, part) in given.as_bytes().split(|&b| b == b'|').enumerate() {
         if i > 0 {
             out.push(b'|');
@@ -300,10 +303,10 @@ pub fn from_admin(given: &str) -> Vec<u8> {
             push_escaped(&mut out, part);
         }
     }
-    out
+    out.into_vec()
 }
 
-fn push_escaped(out: &mut Vec<u8>, value: &[u8]) {
+fn push_escaped(out: &mut KeyBuf, value: &[u8]) {
     if value.len() > MAX_PART_LEN {
         let digest = Sha256::digest(value);
         out.push(b'~');
@@ -322,7 +325,7 @@ fn push_escaped(out: &mut Vec<u8>, value: &[u8]) {
     }
 }
 
-fn push_pct(out: &mut Vec<u8>, b: u8) {
+fn push_pct(out: &mut KeyBuf, b: u8) {
     out.push(b'%');
     out.extend_from_slice(&hex_byte(b).map(|c| c.to_ascii_uppercase()));
 }
@@ -377,9 +380,9 @@ mod tests {
     }
 
     fn build(spec: &KeySpec, req: &RequestParts<'_>) -> (KeyOutcome, String) {
-        let mut out = Vec::new();
+        let mut out = KeyBuf::new();
         let o = spec.build(req, &mut out);
-        (o, String::from_utf8(out).unwrap())
+        (o, String::from_utf8(out.into_vec()).unwrap())
     }
 
     #[test]
@@ -582,9 +585,9 @@ mod tests {
     fn the_admin_api_takes_raw_values_and_stored_keys_alike() {
         use super::from_admin;
         let stored = |v: &[u8]| {
-            let mut out = Vec::new();
+            let mut out = KeyBuf::new();
             super::push_escaped(&mut out, v);
-            out
+            out.into_vec()
         };
         assert_eq!(from_admin("127.0.0.1"), b"127.0.0.1");
         assert_eq!(from_admin("alice smith"), stored(b"alice smith"));

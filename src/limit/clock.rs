@@ -12,6 +12,13 @@ use super::algorithm::Micros;
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     /// Monotonic microseconds since an epoch (for [`TokioClock`], about 1970).
     fn now(&self) -> Micros;
+
+    /// The time at `t`, an instant the caller has just read: a request reads the clock once
+    /// for its decision's time and its duration metrics. Clocks not on real time ignore it.
+    fn at(&self, t: std::time::Instant) -> Micros {
+        let _ = t;
+        self.now()
+    }
 }
 
 pub type SharedClock = Arc<dyn Clock>;
@@ -51,10 +58,23 @@ impl Default for TokioClock {
 /// from 0 so no algorithm sees "before the epoch" arithmetic.
 const EPOCH_OFFSET: Micros = 86_400_000_000;
 
+impl TokioClock {
+    fn since_start(&self, t: tokio::time::Instant) -> Micros {
+        let e = t.saturating_duration_since(self.start).as_micros();
+        self.epoch
+            .saturating_add(u64::try_from(e).unwrap_or(u64::MAX))
+    }
+}
+
 impl Clock for TokioClock {
     fn now(&self) -> Micros {
-        let e = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX);
-        self.epoch.saturating_add(e)
+        self.since_start(tokio::time::Instant::now())
+    }
+
+    /// `tokio::time::Instant` is `std::time::Instant` unless tokio's `test-util` pauses time,
+    /// a feature tollgate does not enable.
+    fn at(&self, t: std::time::Instant) -> Micros {
+        self.since_start(tokio::time::Instant::from_std(t))
     }
 }
 

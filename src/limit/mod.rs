@@ -298,6 +298,9 @@ pub enum Verdict {
 pub struct Context<'a> {
     /// Local monotonic time (global limits use Redis's clock inside the script).
     pub now: Micros,
+    /// When the decision started, for the limiter-duration metrics: the instant `now` was read
+    /// from ([`clock::Clock::at`]), so a decision reads the clock once at its start.
+    pub started: std::time::Instant,
     /// For the time after a wait (a request following another's Redis call for a hot key).
     pub clock: &'a dyn clock::Clock,
     /// The longest a request waits for another's Redis call (the Redis timeout).
@@ -350,6 +353,8 @@ pub struct LimitSet {
     /// Some limit's key has a `header:` part: the fast HTTP/1.1 path then builds a header map
     /// for the key (without one, it skips that work).
     pub reads_headers: bool,
+    /// Some limit is `eventual`: without one, a local decision skips holding eventual keys.
+    has_eventual: bool,
 }
 
 /// One applicable limit of this request: its index and its key's span in the key buffer.
@@ -359,6 +364,7 @@ impl LimitSet {
     /// `cluster`: global limits live on a Redis Cluster.
     pub fn new(limits: Vec<Limit>, tiers: TierMetrics, cluster: bool) -> Self {
         let can_delay = limits.iter().any(|l| l.max_delay > 0);
+        let has_eventual = limits.iter().any(|l| l.eventual.is_some());
         let enforced_global = limits.iter().filter(|l| l.is_global() && !l.shadow).count();
         let reads_headers = limits.iter().any(|l| {
             l.key
@@ -369,6 +375,7 @@ impl LimitSet {
         Self {
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
+            has_eventual,
             limits,
             can_delay,
             tiers,
@@ -388,8 +395,8 @@ impl LimitSet {
                 info: None,
             };
         }
-        let started = std::time::Instant::now();
-        let mut keys: Vec<u8> = Vec::with_capacity(64 * self.limits.len());
+        let started = cx.started;
+        let mut keys = crate::key::KeyBuf::new();
         let mut spans: SmallVec<[Span; 4]> = SmallVec::new();
         for (i, limit) in self.limits.iter().enumerate() {
             let start = keys.len();
@@ -551,6 +558,9 @@ impl LimitSet {
         spans: &[Span],
         cx: &Context<'_>,
     ) -> SmallVec<[(usize, eventual::Held<'k>); 2]> {
+        if !self.has_eventual {
+            return SmallVec::new();
+        }
         let mut order: SmallVec<[(usize, &EventualStore, &'k [u8]); 2]> = spans
             .iter()
             .filter_map(|&(i, s, e)| Some((i, self.limits[i].eventual.as_deref()?, &keys[s..e])))

@@ -203,8 +203,10 @@ impl Proxy {
             waiter = WaiterSlot::acquire(route);
             waiter.is_some()
         };
+        let started = std::time::Instant::now();
         let cx = Context {
-            now: self.clock.now(),
+            now: self.clock.at(started),
+            started,
             clock: &*self.clock,
             probe_wait: rt
                 .config
@@ -220,7 +222,7 @@ impl Proxy {
             Verdict::Reject { limit, rejection } => {
                 let l = &limits.limits[limit];
                 if rt.config.server.log_keys {
-                    let mut key = Vec::new();
+                    let mut key = crate::key::KeyBuf::new();
                     l.key.build(parts, &mut key);
                     let key = String::from_utf8_lossy(&key);
                     tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");

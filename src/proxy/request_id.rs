@@ -36,9 +36,9 @@ fn generate() -> HeaderValue {
 /// 32 hex digits: a per-process random prefix and a counter — unique without a random number
 /// generator on the request path.
 pub fn generate_hex() -> [u8; 32] {
-    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static PREFIX: OnceLock<[u8; 16]> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let prefix = *PREFIX.get_or_init(|| {
+    let prefix = PREFIX.get_or_init(|| {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u128(
             std::time::SystemTime::now()
@@ -46,15 +46,20 @@ pub fn generate_hex() -> [u8; 32] {
                 .map_or(0, |d| d.as_nanos()),
         );
         h.write_u32(std::process::id());
-        h.finish()
+        hex16(h.finish())
     });
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let mut hex = [0u8; 32];
-    let digits = (u128::from(prefix) << 64) | u128::from(n);
-    for (i, d) in hex.iter_mut().enumerate() {
-        *d = b"0123456789abcdef"[((digits >> (124 - 4 * i)) & 0xf) as usize];
-    }
+    hex[..16].copy_from_slice(prefix);
+    hex[16..].copy_from_slice(&hex16(COUNTER.fetch_add(1, Ordering::Relaxed)));
     hex
+}
+
+fn hex16(n: u64) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (i, d) in out.iter_mut().enumerate() {
+        *d = b"0123456789abcdef"[((n >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    out
 }
 
 #[cfg(test)]
@@ -72,5 +77,15 @@ mod tests {
         assert_eq!(h[&X_REQUEST_ID], id);
         let mut h2 = HeaderMap::new();
         assert_ne!(ensure(&mut h2), id, "ids are unique");
+    }
+
+    #[test]
+    fn ids_are_the_prefix_then_the_counter_in_hex() {
+        assert_eq!(&hex16(0x0123_4567_89ab_cdef), b"0123456789abcdef");
+        assert_eq!(&hex16(u64::MAX), b"ffffffffffffffff");
+        let (a, b) = (generate_hex(), generate_hex());
+        assert_eq!(a[..16], b[..16]);
+        let n = |h: &[u8]| u64::from_str_radix(std::str::from_utf8(h).unwrap(), 16).unwrap();
+        assert!(n(&b[16..]) > n(&a[16..]));
     }
 }

@@ -193,15 +193,12 @@ pub fn ratelimit_value(limit: &Limit, info: &HeaderInfo) -> Option<HeaderValue> 
 /// formatter's machinery was a visible part of it. Limit names are letters, digits, `_`, `.`
 /// and `-` (config validation), so the value needs no escaping.
 pub fn push_ratelimit(out: &mut Vec<u8>, limit: &Limit, remaining: u64, reset_after: Micros) {
-    let mut digits = [0u8; 20];
     out.push(b'"');
     out.extend_from_slice(limit.name.as_bytes());
     out.extend_from_slice(b"\";r=");
-    let n = push_u64(&mut digits, remaining);
-    out.extend_from_slice(&digits[..n]);
+    push_u64(out, remaining);
     out.extend_from_slice(b";t=");
-    let n = push_u64(&mut digits, ceil_secs(reset_after));
-    out.extend_from_slice(&digits[..n]);
+    push_u64(out, ceil_secs(reset_after));
 }
 
 /// [`too_many_requests`] for the fast HTTP/1.1 path, without building a `Response`: appends its
@@ -214,10 +211,8 @@ pub fn write_too_many_requests(
     limit: &Limit,
     r: &Rejection,
 ) {
-    let mut digits = [0u8; 20];
     fields.extend_from_slice(b"content-type: application/json\r\nretry-after: ");
-    let n = push_u64(&mut digits, ceil_secs(r.retry_after).max(1));
-    fields.extend_from_slice(&digits[..n]);
+    push_u64(fields, ceil_secs(r.retry_after).max(1));
     fields.extend_from_slice(b"\r\nratelimit-policy: ");
     fields.extend_from_slice(limit.policy.as_bytes());
     fields.extend_from_slice(b"\r\nratelimit: ");
@@ -228,26 +223,13 @@ pub fn write_too_many_requests(
     body.extend_from_slice(b"\",\"limit\":\"");
     body.extend_from_slice(limit.name.as_bytes());
     body.extend_from_slice(b"\",\"retry_after_ms\":");
-    let n = push_u64(&mut digits, r.retry_after.div_ceil(1000));
-    body.extend_from_slice(&digits[..n]);
+    push_u64(body, r.retry_after.div_ceil(1000));
     body.push(b'}');
 }
 
-/// `n` in decimal at the start of `out` (which has room for 20 digits); returns the length.
-pub(crate) fn push_u64(out: &mut [u8], mut n: u64) -> usize {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    let len = digits.len() - i;
-    out[..len].copy_from_slice(&digits[i..]);
-    len
+/// Appends `n` in decimal (`itoa`: two digits per step; this runs several times per answer).
+pub(crate) fn push_u64(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 #[cfg(test)]
@@ -255,11 +237,11 @@ mod tests {
     use super::push_u64;
 
     #[test]
-    fn decimal_digits_are_written_in_place() {
+    fn decimal_digits_are_appended() {
         for n in [0, 7, 10, 99, 100, 123_456_789, u64::MAX] {
-            let mut out = [0u8; 20];
-            let len = push_u64(&mut out, n);
-            assert_eq!(&out[..len], n.to_string().as_bytes());
+            let mut out = b"x".to_vec();
+            push_u64(&mut out, n);
+            assert_eq!(out, format!("x{n}").as_bytes());
         }
     }
 }

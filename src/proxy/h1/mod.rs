@@ -89,9 +89,10 @@ pub async fn serve(
         out: Vec::with_capacity(1024),
         fields: Vec::with_capacity(16),
         ufields: Vec::with_capacity(16),
-        scratch: Vec::new(),
+        scratch: (Vec::new(), Vec::new()),
         stop: ctl.stop,
         idle: Box::pin(tokio::time::sleep(HEAD_TIMEOUT)),
+        idle_from: tokio::time::Instant::now(),
     };
     let Some(prefix) = conn.run().await else {
         return;
@@ -118,10 +119,14 @@ struct Conn {
     out: Vec<u8>,
     fields: Vec<Field>,
     ufields: Vec<Field>,
-    /// Header fields of tollgate's own answers, being written.
-    scratch: Vec<u8>,
+    /// Header fields and body of tollgate's own answers, being written.
+    scratch: (Vec<u8>, Vec<u8>),
     stop: watch::Receiver<bool>,
+    /// Fires no earlier than [`HEAD_TIMEOUT`] after `idle_from`; moved only when it fires
+    /// early, not at every request: resetting a timer is a timer-wheel update each time.
     idle: Pin<Box<Sleep>>,
+    /// The end of the last exchange (or the connection's start): the head timeout counts from it.
+    idle_from: tokio::time::Instant,
 }
 
 enum Step {
@@ -168,14 +173,25 @@ impl RequestId {
             RequestId::Ours(b) => b,
         }
     }
+
+    /// For logs: a client's id is kept only when visible ASCII ([`request_id::sane`]) and
+    /// ours is hex, so this is never the `-`.
+    fn as_str<'a>(&'a self, head: &'a [u8]) -> &'a str {
+        std::str::from_utf8(self.bytes(head)).unwrap_or("-")
+    }
 }
 
 impl Conn {
     /// Serves requests until the connection closes; returns the bytes to hand to the general
     /// path with the connection, if it came to that.
     async fn run(&mut self) -> Option<Bytes> {
+        // One wait on the drain signal for the connection's life, not one per request: each
+        // new wait is a registration (and its removal) under the signal's lock.
+        let mut stop = self.stop.clone();
+        let stopped = stop.changed();
+        tokio::pin!(stopped);
         loop {
-            let head = match self.read_head().await {
+            let head = match self.read_head(stopped.as_mut()).await {
                 ReadHead::Head(h) => h,
                 ReadHead::Closed => return None,
                 ReadHead::General => return Some(self.rbuf.split().freeze()),
@@ -191,10 +207,9 @@ impl Conn {
         }
     }
 
-    async fn read_head(&mut self) -> ReadHead {
-        self.idle
-            .as_mut()
-            .reset(tokio::time::Instant::now() + HEAD_TIMEOUT);
+    /// `stopped`: resolves when the listener drains (polled only while idle between requests).
+    async fn read_head<F: Future>(&mut self, mut stopped: Pin<&mut F>) -> ReadHead {
+        let deadline = self.idle_from + HEAD_TIMEOUT;
         loop {
             if !self.rbuf.is_empty() {
                 match head::parse_request(&self.rbuf, &mut self.fields) {
@@ -212,8 +227,13 @@ impl Conn {
                     // A head cut off by the client's close: nothing to answer to.
                     _ => return ReadHead::Closed,
                 },
-                _ = self.stop.changed(), if self.rbuf.is_empty() => return ReadHead::Closed,
-                _ = &mut self.idle => return ReadHead::Closed,
+                _ = stopped.as_mut(), if self.rbuf.is_empty() => return ReadHead::Closed,
+                _ = &mut self.idle => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return ReadHead::Closed;
+                    }
+                    self.idle.as_mut().reset(deadline);
+                }
             }
         }
     }
@@ -254,8 +274,8 @@ impl Conn {
                 let step = self
                     .answer(resp, &mut head, &bytes, &rid, &rt.unmatched)
                     .await;
-                tracing::debug!(request_id = visible(rid.bytes(&bytes)).unwrap_or("-"), method = %head.method, status, "not routed");
-                rt.unmatched.request_duration.observe(started.elapsed());
+                tracing::debug!(request_id = rid.as_str(&bytes), method = %head.method, status, "not routed");
+                rt.unmatched.request_duration.observe(self.ended(started));
                 return step;
             }
         };
@@ -263,8 +283,16 @@ impl Conn {
         let step = self
             .route(&rt, route, &mut head, &bytes, uri, &rid, started)
             .await;
-        route.metrics.request_duration.observe(started.elapsed());
+        route.metrics.request_duration.observe(self.ended(started));
         step
+    }
+
+    /// Marks the end of an exchange that began at `started`; returns its duration. The clock
+    /// read serves the duration metric and the next head's timeout both.
+    fn ended(&mut self, started: Instant) -> Duration {
+        let now = tokio::time::Instant::now();
+        self.idle_from = now;
+        now.into_std().saturating_duration_since(started)
     }
 
     /// Gives up on this request: the general path reads it from its head.
@@ -307,15 +335,15 @@ impl Conn {
             client_ip: client_ip(peer_ip, &map, &rt.trusted_proxies),
             route: &route.name,
         };
-        let request_id = visible(rid.bytes(bytes)).unwrap_or("-");
+        let request_id = rid.as_str(bytes);
         let admitted = match self.proxy.admit(rt, route, &parts, request_id).await {
             Admission::Answer(resp) => {
                 return self.answer(resp, head, bytes, rid, &route.metrics).await;
             }
             Admission::Reject { limit, rejection } => {
-                let mut fields = std::mem::take(&mut self.scratch);
+                let (mut fields, mut body) = std::mem::take(&mut self.scratch);
                 fields.clear();
-                let mut body = Vec::with_capacity(128);
+                body.clear();
                 let l = &route.limits.limits[limit];
                 response::write_too_many_requests(
                     &mut fields,
@@ -335,7 +363,7 @@ impl Conn {
                         &route.metrics,
                     )
                     .await;
-                self.scratch = fields;
+                self.scratch = (fields, body);
                 return step;
             }
             Admission::Forward(a) => a,
@@ -714,7 +742,7 @@ impl Conn {
             .await
             .map(|c| c.to_bytes())
             .unwrap_or_default();
-        let mut fields = std::mem::take(&mut self.scratch);
+        let (mut fields, spare) = std::mem::take(&mut self.scratch);
         fields.clear();
         for (name, value) in &parts.headers {
             head::push_field(&mut fields, name.as_str().as_bytes(), value.as_bytes());
@@ -722,7 +750,7 @@ impl Conn {
         let step = self
             .answer_raw(parts.status, &fields, &body, head, bytes, rid, metrics)
             .await;
-        self.scratch = fields;
+        self.scratch = (fields, spare);
         step
     }
 
