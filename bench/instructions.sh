@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# bench/instructions.sh — user-space instructions per request, counted by callgrind.
+#
+#   bench/instructions.sh                          # target/release/tollgate
+#   TOLLGATE_BIN=/tmp/old-tollgate bench/instructions.sh
+#
+# Why: on a shared 2-core VM, requests/s of the same binary moves by 10-20 % between runs
+# (bench/load.sh), so a change of a few percent in the request path cannot be seen there.
+# Instructions executed are nearly the same from run to run: this is the A/B for a change to
+# the request path (build the old commit, copy its binary, run this with each). It counts
+# tollgate's own user-space work only; the kernel's (the larger part, see bench/cpu.sh) is
+# not in it, nor cache misses.
+#
+# For each target of bench/load.sh that needs no Redis (proxy, admit, reject): tollgate runs
+# under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts
+# are zeroed, wrk runs DURATION seconds, the counts are dumped; instructions / requests wrk
+# completed. The upstream is an nginx worker as in bench/load.sh. Needs valgrind, nginx, wrk.
+set -Eeuo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/.." && pwd)"
+T="$HERE/load"
+DURATION="${DURATION:-5}"
+BIN="${TOLLGATE_BIN:-$REPO/target/release/tollgate}"
+[[ -x "$BIN" ]] || { echo "instructions.sh: $BIN missing: cargo build --release" >&2; exit 2; }
+for tool in valgrind callgrind_control nginx wrk curl python3; do
+    command -v "$tool" >/dev/null || { echo "instructions.sh: $tool missing (apt-get install valgrind nginx wrk)" >&2; exit 2; }
+done
+
+TMP="$(mktemp -d /tmp/tollgate-instr.XXXXXX)"
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+render() { # TEMPLATE OUT KEY=VALUE...
+    local src="$T/$1" out="$2"; shift 2; local args=() kv
+    for kv in "$@"; do args+=(-e "s|@${kv%%=*}@|${kv#*=}|g"); done
+    sed "${args[@]}" "$src" > "$out"
+}
+user_line() { [[ "$(id -u)" == 0 ]] && echo "user root;" || echo ""; }
+wait_up() { for _ in $(seq 300); do curl -s -o /dev/null "$1" && return 0; sleep 0.2; done; echo "instructions.sh: $1 did not answer" >&2; exit 2; }
+
+UP=$(free_port)
+mkdir -p "$TMP/up/tmp"/{client_body,proxy,fastcgi,uwsgi,scgi}
+render upstream.nginx.conf "$TMP/up.conf" DIR="$TMP/up" PORT="$UP" USER_LINE="$(user_line)"
+nginx -c "$TMP/up.conf" -g 'daemon off;' >/dev/null 2>&1 & PIDS+=($!)
+wait_up "http://127.0.0.1:$UP/"
+
+echo "binary: $BIN"
+printf '%-8s %10s %14s\n' target requests instr/request
+for name in proxy admit reject; do
+    p=$(free_port); a=$(free_port)
+    render "tollgate-$name.yaml" "$TMP/$name.yaml" PORT="$p" ADMIN_PORT="$a" UPSTREAM_PORT="$UP"
+    TOKIO_WORKER_THREADS=1 RUST_LOG=warn valgrind --tool=callgrind \
+        --callgrind-out-file="$TMP/$name.%p" "$BIN" run --config "$TMP/$name.yaml" \
+        >"$TMP/$name.log" 2>&1 &
+    vg=$!
+    PIDS+=("$vg")
+    wait_up "http://127.0.0.1:$a/healthz"
+    wrk -t1 -c8 -d2s "http://127.0.0.1:$p/" >/dev/null
+    callgrind_control -z "$vg" >/dev/null 2>&1
+    out=$(wrk -t1 -c8 -d"${DURATION}s" "http://127.0.0.1:$p/")
+    callgrind_control -d "$vg" >/dev/null 2>&1
+    kill "$vg"; wait "$vg" 2>/dev/null || true
+    reqs=$(awk '/requests in/ {print $1}' <<<"$out")
+    ir=$(awk '/^totals:/ {print $2}' "$TMP/$name.$vg.1")
+    printf '%-8s %10d %14.0f\n' "$name" "$reqs" "$(python3 -c "print($ir / $reqs)")"
+done
