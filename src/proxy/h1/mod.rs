@@ -20,6 +20,7 @@
 
 pub mod framing;
 pub mod head;
+pub mod timer;
 pub mod upstream;
 
 use std::io;
@@ -39,10 +40,10 @@ use hyper_util::server::graceful::Watcher;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tokio::time::Sleep;
 
 use self::framing::Framing;
 use self::head::{Field, Name, ParsedRequest, ParsedResponse, RequestHead, ResponseHead};
+use self::timer::LazyTimer;
 use super::{AbandonGuard, Admission, Body, Proxy, request_id, response};
 use crate::key::{RequestParts, client_ip};
 use crate::limit::HeaderInfo;
@@ -91,8 +92,9 @@ pub async fn serve(
         ufields: Vec::with_capacity(16),
         scratch: (Vec::new(), Vec::new()),
         stop: ctl.stop,
-        idle: Box::pin(tokio::time::sleep(HEAD_TIMEOUT)),
+        idle: LazyTimer::new(),
         idle_from: tokio::time::Instant::now(),
+        route_timer: LazyTimer::new(),
     };
     let Some(prefix) = conn.run().await else {
         return;
@@ -122,11 +124,12 @@ struct Conn {
     /// Header fields and body of tollgate's own answers, being written.
     scratch: (Vec<u8>, Vec<u8>),
     stop: watch::Receiver<bool>,
-    /// Fires no earlier than [`HEAD_TIMEOUT`] after `idle_from`; moved only when it fires
-    /// early, not at every request: resetting a timer is a timer-wheel update each time.
-    idle: Pin<Box<Sleep>>,
+    /// The head timeout, [`HEAD_TIMEOUT`] after `idle_from`.
+    idle: LazyTimer,
     /// The end of the last exchange (or the connection's start): the head timeout counts from it.
     idle_from: tokio::time::Instant,
+    /// The route timeout of the exchange in progress.
+    route_timer: LazyTimer,
 }
 
 enum Step {
@@ -228,12 +231,7 @@ impl Conn {
                     _ => return ReadHead::Closed,
                 },
                 _ = stopped.as_mut(), if self.rbuf.is_empty() => return ReadHead::Closed,
-                _ = &mut self.idle => {
-                    if tokio::time::Instant::now() >= deadline {
-                        return ReadHead::Closed;
-                    }
-                    self.idle.as_mut().reset(deadline);
-                }
+                () = self.idle.until(deadline) => return ReadHead::Closed,
             }
         }
     }
@@ -424,22 +422,24 @@ impl Conn {
         for (i, upstream) in order.iter().enumerate() {
             pool = self.proxy.client.raw_pool(upstream);
             self.write_upstream_head(route, upstream, head, bytes, uri, rid, trusted);
-            result = tokio::time::timeout_at(
-                deadline,
-                exchange(
-                    pool,
-                    &self.out,
-                    &head.method,
-                    &mut head.framing,
-                    &mut pump,
-                    &mut self.client,
-                    &mut self.rbuf,
-                    &mut self.ubuf,
-                    &mut self.ufields,
-                    t0,
-                ),
-            )
-            .await;
+            result = self
+                .route_timer
+                .within(
+                    deadline,
+                    exchange(
+                        pool,
+                        &self.out,
+                        &head.method,
+                        &mut head.framing,
+                        &mut pump,
+                        &mut self.client,
+                        &mut self.rbuf,
+                        &mut self.ubuf,
+                        &mut self.ufields,
+                        t0,
+                    ),
+                )
+                .await;
             match &result {
                 Ok(Err(Failure::Connect(e))) => {
                     upstream.mark_down();
@@ -505,34 +505,36 @@ impl Conn {
         // The route's timeout bounds the whole exchange: a body still coming at the deadline
         // is cut (see `proxy::deadline`, which does the same on the general path).
         let relayed = if body_sent {
-            tokio::time::timeout_at(
-                deadline,
-                relay(
-                    &mut self.client,
-                    &mut up,
-                    &mut self.ubuf,
-                    &mut self.out,
-                    &mut framing,
-                    rechunk,
-                ),
-            )
-            .await
+            self.route_timer
+                .within(
+                    deadline,
+                    relay(
+                        &mut self.client,
+                        &mut up,
+                        &mut self.ubuf,
+                        &mut self.out,
+                        &mut framing,
+                        rechunk,
+                    ),
+                )
+                .await
         } else {
-            tokio::time::timeout_at(
-                deadline,
-                relay_duplex(
-                    &mut self.client,
-                    &mut self.rbuf,
-                    &mut head.framing,
-                    &mut pump,
-                    &mut up,
-                    &mut self.ubuf,
-                    &mut self.out,
-                    &mut framing,
-                    rechunk,
-                ),
-            )
-            .await
+            self.route_timer
+                .within(
+                    deadline,
+                    relay_duplex(
+                        &mut self.client,
+                        &mut self.rbuf,
+                        &mut head.framing,
+                        &mut pump,
+                        &mut up,
+                        &mut self.ubuf,
+                        &mut self.out,
+                        &mut framing,
+                        rechunk,
+                    ),
+                )
+                .await
         };
         let relayed = relayed.unwrap_or_else(|_| {
             tracing::warn!(route = %route.name, "upstream timed out in the response body: cut");
