@@ -113,7 +113,7 @@ impl Proxy {
         let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
-            tracing::debug!(request_id = id.to_str().unwrap_or("-"), method = %req.method(), status = 404, "no route");
+            tracing::debug!(request_id = %request_id::LogId(id.as_bytes()), method = %req.method(), status = 404, "no route");
             return timed(resp, started, &rt.unmatched.request_duration);
         };
         let route = &rt.routes[idx];
@@ -121,7 +121,7 @@ impl Proxy {
         let resp = self.handle_route(&rt, route, req, peer, id).await;
         let status = resp.status().as_u16();
         route.metrics.request(status);
-        tracing::debug!(request_id = id.to_str().unwrap_or("-"), route = %route.name, %method, status, head_after = ?started.elapsed(), "request");
+        tracing::debug!(request_id = %request_id::LogId(id.as_bytes()), route = %route.name, %method, status, head_after = ?started.elapsed(), "request");
         timed(resp, started, &route.metrics.request_duration)
     }
 
@@ -142,7 +142,7 @@ impl Proxy {
             route: &route.name,
         };
         let info = match self
-            .admit(rt, route, &parts, id.to_str().unwrap_or("-"))
+            .admit(rt, route, &parts, request_id::LogId(id.as_bytes()))
             .await
         {
             Admission::Answer(resp) => return resp,
@@ -185,7 +185,7 @@ impl Proxy {
         rt: &Runtime,
         route: &'r Route,
         parts: &RequestParts<'_>,
-        request_id: &str,
+        request_id: request_id::LogId<'_>,
     ) -> Admission<'r> {
         let limits = &route.limits;
         if limits.is_empty() {
@@ -225,9 +225,9 @@ impl Proxy {
                     let mut key = crate::key::KeyBuf::new();
                     l.key.build(parts, &mut key);
                     let key = String::from_utf8_lossy(&key);
-                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");
+                    tracing::info!(%request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");
                 } else {
-                    tracing::info!(request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
+                    tracing::info!(%request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
                 }
                 Admission::Reject { limit, rejection }
             }

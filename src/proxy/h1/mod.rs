@@ -177,10 +177,8 @@ impl RequestId {
         }
     }
 
-    /// For logs: a client's id is kept only when visible ASCII ([`request_id::sane`]) and
-    /// ours is hex, so this is never the `-`.
-    fn as_str<'a>(&'a self, head: &'a [u8]) -> &'a str {
-        std::str::from_utf8(self.bytes(head)).unwrap_or("-")
+    fn log<'a>(&'a self, head: &'a [u8]) -> request_id::LogId<'a> {
+        request_id::LogId(self.bytes(head))
     }
 }
 
@@ -272,7 +270,7 @@ impl Conn {
                 let step = self
                     .answer(resp, &mut head, &bytes, &rid, &rt.unmatched)
                     .await;
-                tracing::debug!(request_id = rid.as_str(&bytes), method = %head.method, status, "not routed");
+                tracing::debug!(request_id = %rid.log(&bytes), method = %head.method, status, "not routed");
                 rt.unmatched.request_duration.observe(self.ended(started));
                 return step;
             }
@@ -333,7 +331,7 @@ impl Conn {
             client_ip: client_ip(peer_ip, &map, &rt.trusted_proxies),
             route: &route.name,
         };
-        let request_id = rid.as_str(bytes);
+        let request_id = rid.log(bytes);
         let admitted = match self.proxy.admit(rt, route, &parts, request_id).await {
             Admission::Answer(resp) => {
                 return self.answer(resp, head, bytes, rid, &route.metrics).await;
@@ -380,7 +378,7 @@ impl Conn {
         let (status, step) = self
             .forward(route, head, bytes, uri, rid, trusted, info)
             .await;
-        tracing::debug!(request_id, route = %route.name, method = %head.method, status, head_after = ?started.elapsed(), "request");
+        tracing::debug!(%request_id, route = %route.name, method = %head.method, status, head_after = ?started.elapsed(), "request");
         step
     }
 
