@@ -14,7 +14,6 @@ set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
-T="$HERE/load"
 ROUNDS="${ROUNDS:-4}"
 DURATION="${DURATION:-3}"
 BIN="${TOLLGATE_BIN:-$REPO/target/release/tollgate}"
@@ -23,19 +22,9 @@ for tool in nginx wrk taskset python3; do
     command -v "$tool" >/dev/null || { echo "cpu.sh: $tool missing" >&2; exit 2; }
 done
 
-TMP="$(mktemp -d /tmp/tollgate-cpu.XXXXXX)"
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-render() { # TEMPLATE OUT KEY=VALUE...
-    local src="$T/$1" out="$2"; shift 2; local args=() kv
-    for kv in "$@"; do args+=(-e "s|@${kv%%=*}@|${kv#*=}|g"); done
-    sed "${args[@]}" "$src" > "$out"
-}
-user_line() { [[ "$(id -u)" == 0 ]] && echo "user root;" || echo ""; }
-wait_up() { for _ in $(seq 100); do curl -s -o /dev/null "$1" && return 0; sleep 0.1; done; echo "cpu.sh: $1 did not answer" >&2; exit 2; }
+NAME=cpu
+# shellcheck source=bench/lib.sh
+source "$HERE/lib.sh"
 
 UP=$(free_port)
 mkdir -p "$TMP/up/tmp"/{client_body,proxy,fastcgi,uwsgi,scgi} "$TMP/ng/tmp"/{client_body,proxy,fastcgi,uwsgi,scgi}

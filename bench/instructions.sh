@@ -19,7 +19,6 @@ set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
-T="$HERE/load"
 DURATION="${DURATION:-5}"
 BIN="${TOLLGATE_BIN:-$REPO/target/release/tollgate}"
 [[ -x "$BIN" ]] || { echo "instructions.sh: $BIN missing: cargo build --release" >&2; exit 2; }
@@ -27,19 +26,9 @@ for tool in valgrind callgrind_control nginx wrk curl python3; do
     command -v "$tool" >/dev/null || { echo "instructions.sh: $tool missing (apt-get install valgrind nginx wrk)" >&2; exit 2; }
 done
 
-TMP="$(mktemp -d /tmp/tollgate-instr.XXXXXX)"
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-render() { # TEMPLATE OUT KEY=VALUE...
-    local src="$T/$1" out="$2"; shift 2; local args=() kv
-    for kv in "$@"; do args+=(-e "s|@${kv%%=*}@|${kv#*=}|g"); done
-    sed "${args[@]}" "$src" > "$out"
-}
-user_line() { [[ "$(id -u)" == 0 ]] && echo "user root;" || echo ""; }
-wait_up() { for _ in $(seq 300); do curl -s -o /dev/null "$1" && return 0; sleep 0.2; done; echo "instructions.sh: $1 did not answer" >&2; exit 2; }
+NAME=instructions
+# shellcheck source=bench/lib.sh
+source "$HERE/lib.sh"
 
 UP=$(free_port)
 mkdir -p "$TMP/up/tmp"/{client_body,proxy,fastcgi,uwsgi,scgi}
@@ -57,7 +46,7 @@ for name in proxy admit reject; do
         >"$TMP/$name.log" 2>&1 &
     vg=$!
     PIDS+=("$vg")
-    wait_up "http://127.0.0.1:$a/healthz"
+    wait_up "http://127.0.0.1:$a/healthz" 60
     wrk -t1 -c8 -d2s "http://127.0.0.1:$p/" >/dev/null
     callgrind_control -z "$vg" >/dev/null 2>&1
     out=$(wrk -t1 -c8 -d"${DURATION}s" "http://127.0.0.1:$p/")
