@@ -409,11 +409,6 @@ fn parse_length(v: &[u8]) -> Option<u64> {
     Some(v.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
-/// `n` in decimal.
-pub fn push_u64(out: &mut Vec<u8>, n: u64) {
-    crate::proxy::response::push_u64(out, n);
-}
-
 /// Appends `name: value\r\n`.
 pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);

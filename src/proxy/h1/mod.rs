@@ -666,7 +666,7 @@ impl Conn {
         let up = &self.ubuf[..resp.len];
         out.clear();
         out.extend_from_slice(b"HTTP/1.1 ");
-        head::push_u64(out, u64::from(resp.status));
+        response::push_u64(out, u64::from(resp.status));
         out.push(b' ');
         if resp.reason.is_empty() {
             let canonical = http::StatusCode::from_u16(resp.status)
@@ -701,7 +701,7 @@ impl Conn {
         }
         if let (true, Some(n)) = (length_framed, resp.length) {
             out.extend_from_slice(b"content-length: ");
-            head::push_u64(out, n);
+            response::push_u64(out, n);
             out.extend_from_slice(b"\r\n");
         }
         head::push_field(out, b"x-request-id", rid.bytes(bytes));
@@ -785,7 +785,7 @@ impl Conn {
         out.extend_from_slice(fields);
         head::push_field(out, b"x-request-id", rid.bytes(bytes));
         out.extend_from_slice(b"content-length: ");
-        head::push_u64(out, body.len() as u64);
+        response::push_u64(out, body.len() as u64);
         out.extend_from_slice(b"\r\n");
         push_date(out);
         if close {
