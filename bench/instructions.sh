@@ -3,6 +3,8 @@
 #
 #   bench/instructions.sh                          # target/release/tollgate
 #   TOLLGATE_BIN=/tmp/old-tollgate bench/instructions.sh
+#   KEEP=1 bench/instructions.sh                   # keep the profiles, then e.g.
+#   callgrind_annotate --inclusive=yes /tmp/tollgate-instructions.*/reject.*.1
 #
 # Why: on a shared 2-core VM, requests/s of the same binary moves by 10-20 % between runs
 # (bench/load.sh), so a change of a few percent in the request path cannot be seen there.

@@ -5,7 +5,11 @@
 T="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/load"
 TMP="$(mktemp -d "/tmp/tollgate-$NAME.XXXXXX")"
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
+# KEEP=1 leaves the temp dir (configs, logs, callgrind's profiles) for a look afterwards.
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true
+    if [[ "${KEEP:-0}" == 1 ]]; then echo "$NAME.sh: kept $TMP" >&2; else rm -rf "$TMP"; fi
+}
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

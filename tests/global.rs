@@ -250,7 +250,9 @@ async fn a_flood_from_one_client_is_answered_in_process() {
 
 #[tokio::test]
 async fn script_flush_mid_traffic_is_invisible() {
-    let redis = shared_redis();
+    // Its own server: a flush of the shared one could land between another test's reload and
+    // its retry, a second NOSCRIPT that test would rightly not retry again.
+    let redis = &RedisServer::start();
     let up = Upstream::start().await;
     let limits = "      - name: l\n        key: [literal:x]\n        algorithm: sliding_window\n        rate: 30/1d\n";
     let yaml = on_shared_redis(redis, "flush", &up, limits);

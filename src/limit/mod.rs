@@ -464,14 +464,21 @@ impl LimitSet {
             // One allocation per global decision is small next to its round trip.
             return Box::pin(self.evaluate_global(keys, spans, cx, started)).await;
         }
+        if !self.has_eventual {
+            // Local limits only, the common route: no eventual keys to hold, and the verdicts
+            // are concluded where they are.
+            let checks = self.local_checks(keys, spans, cx, Limit::is_local);
+            let (_, verdicts) = local::decide(&checks, cx.now);
+            self.count_local(started);
+            return self.conclude_each(self.local_indexes(spans).zip(verdicts.iter()));
+        }
         // A request whose only limit is an eventual one: checked and charged at once.
         if let [(i, s, e)] = *spans
             && let Some(ev) = &self.limits[i].eventual
         {
             let l = &self.limits[i];
             let v = ev.decide(&l.algorithm, &keys[s..e], cx.now, l.cost);
-            self.tiers.local.inc();
-            self.tiers.local_duration.observe(started.elapsed());
+            self.count_local(started);
             let mut results = Results::new();
             results.push((i, v.map(|snap| (snap, 0))));
             return self.conclude(&results);
@@ -492,22 +499,31 @@ impl LimitSet {
         {
             self.charge_eventual(&mut held, &results, false);
             drop(held);
-            self.tiers.local.inc();
-            self.tiers.local_duration.observe(started.elapsed());
+            self.count_local(started);
             return self.conclude(&results);
         }
         let checks = self.local_checks(keys, spans, cx, Limit::is_local);
         let (ok, verdicts) = local::decide(&checks, cx.now);
         self.charge_eventual(&mut held, &results, ok);
         drop(held);
+        self.count_local(started);
+        results.extend(self.local_indexes(spans).zip(verdicts));
+        self.conclude(&results)
+    }
+
+    /// Counts a decision made in process (local and eventual limits), begun at `started`.
+    fn count_local(&self, started: std::time::Instant) {
         self.tiers.local.inc();
         self.tiers.local_duration.observe(started.elapsed());
-        let local_idx = spans
+    }
+
+    /// The indexes of the request's local limits, in the order [`LimitSet::local_checks`]
+    /// lists their checks.
+    fn local_indexes<'s>(&'s self, spans: &'s [Span]) -> impl Iterator<Item = usize> + Clone + 's {
+        spans
             .iter()
             .filter(|s| self.limits[s.0].is_local())
-            .map(|s| s.0);
-        results.extend(local_idx.zip(verdicts));
-        self.conclude(&results)
+            .map(|s| s.0)
     }
 
     /// Learns from Redis the totals of eventual keys this instance does not hold, before
@@ -701,10 +717,7 @@ impl LimitSet {
         // 2. Local and eventual limits, checked but not charged.
         let local = self.local_checks(keys, spans, cx, Limit::is_local);
         let (local_ok, local_verdicts) = local::check(&local, cx.now);
-        let local_idx = spans
-            .iter()
-            .filter(|s| self.limits[s.0].is_local())
-            .map(|s| s.0);
+        let local_idx = self.local_indexes(spans);
         let eventual = self.check_eventual(keys, spans, cx);
         let eventual_ok = eventual
             .iter()
@@ -712,8 +725,7 @@ impl LimitSet {
         results.extend(eventual.iter().cloned());
         if !(local_ok && eventual_ok) {
             results.extend(local_idx.zip(local_verdicts));
-            self.tiers.local.inc();
-            self.tiers.local_duration.observe(started.elapsed());
+            self.count_local(started);
             return self.conclude(&results);
         }
         // 3. Redis: every global limit in one call; the script commits only if every enforced
@@ -838,24 +850,34 @@ impl LimitSet {
         }
     }
 
+    /// [`LimitSet::conclude_each`] over collected results.
+    fn conclude(&self, results: &[(usize, LocalVerdict)]) -> Verdict {
+        self.conclude_each(results.iter().map(|(i, v)| (*i, v)))
+    }
+
     /// Policy after the decision, in one place: shadow rewrites a rejection into an admission,
     /// every decision is counted, and the most restrictive limit is picked for the headers.
-    fn conclude(&self, results: &[(usize, LocalVerdict)]) -> Verdict {
+    /// Takes the verdicts where they are (an iterator walked up to three times), so the local
+    /// path need not copy them into one more list first.
+    fn conclude_each<'v>(
+        &self,
+        results: impl Iterator<Item = (usize, &'v LocalVerdict)> + Clone,
+    ) -> Verdict {
         let mut worst_reject: Option<(usize, Rejection)> = None;
-        for (i, v) in results {
-            let l = &self.limits[*i];
+        for (i, v) in results.clone() {
+            let l = &self.limits[i];
             if let Err(r) = v {
                 if l.shadow {
                     continue;
                 }
                 if worst_reject.is_none_or(|(_, w)| r.retry_after > w.retry_after) {
-                    worst_reject = Some((*i, *r));
+                    worst_reject = Some((i, *r));
                 }
             }
         }
         if let Some((limit, rejection)) = worst_reject {
-            for (i, v) in results {
-                let l = &self.limits[*i];
+            for (i, v) in results.clone() {
+                let l = &self.limits[i];
                 match v {
                     Err(_) if l.shadow => {
                         l.metrics.shadow_rejected.inc();
@@ -873,7 +895,7 @@ impl LimitSet {
         let mut delayed_by = None;
         let mut info: Option<HeaderInfo> = None;
         for (i, v) in results {
-            let l = &self.limits[*i];
+            let l = &self.limits[i];
             match v {
                 Err(_) => {
                     l.metrics.shadow_rejected.inc();
@@ -892,10 +914,10 @@ impl LimitSet {
                     // waited for: shadow limits do not change what the client gets.
                     if *d > delay && !l.shadow {
                         delay = *d;
-                        delayed_by = Some(*i);
+                        delayed_by = Some(i);
                     }
                     if !l.shadow {
-                        let candidate = header_info(*i, snap);
+                        let candidate = header_info(i, snap);
                         if info.is_none_or(|cur| {
                             (
                                 candidate.remaining,

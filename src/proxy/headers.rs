@@ -222,6 +222,25 @@ pub fn request_host<'a>(
     }
 }
 
+/// The bytes of a reg-name: unreserved, pct-encoded and sub-delims characters (no `@`, `/`,
+/// space...). A table, because every request's `Host` is checked byte by byte: testing each
+/// byte against the list of delimiters was 4.6 % of a rejected request's instructions.
+static REG_NAME: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = (b as u8).is_ascii_alphanumeric();
+        b += 1;
+    }
+    let delims = b"-._~%!$&'()*+,;=";
+    let mut i = 0;
+    while i < delims.len() {
+        t[delims[i] as usize] = true;
+        i += 1;
+    }
+    t
+};
+
 /// Whether a `Host` value is `uri-host [":" port]` (RFC 9110 §7.2; empty is allowed, for a
 /// target without an authority). RFC 9112 §3.2 has a server answer 400 to anything else, and a
 /// value like `a b` or `u@h` would otherwise reach routing, `X-Forwarded-Host` and the upstream.
@@ -244,10 +263,7 @@ pub fn valid_host(h: &[u8]) -> bool {
             None => (h, &b""[..]),
         }
     };
-    // reg-name: unreserved, pct-encoded and sub-delims characters (no `@`, `/`, space...).
-    let reg_name = host
-        .iter()
-        .all(|&b| b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(&b));
+    let reg_name = host.iter().all(|&b| REG_NAME[b as usize]);
     let port_ok = match port {
         [] => true,
         [b':', digits @ ..] => digits.iter().all(u8::is_ascii_digit),
@@ -437,6 +453,14 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("api_key"));
+    }
+
+    #[test]
+    fn the_reg_name_table_is_rfc_3986s_character_set() {
+        for b in 0..=255u8 {
+            let want = b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(&b);
+            assert_eq!(REG_NAME[b as usize], want, "byte {b:#04x}");
+        }
     }
 
     #[test]

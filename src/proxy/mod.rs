@@ -110,7 +110,10 @@ impl Proxy {
                 return timed(resp, started, &rt.unmatched.request_duration);
             }
         };
-        let Some(idx) = rt.table.find(req.method(), host, req.uri().path()) else {
+        let Some(idx) = rt
+            .table
+            .find(req.method(), host.map(str::as_bytes), req.uri().path())
+        else {
             let resp = response::not_found();
             rt.unmatched.request(resp.status().as_u16());
             tracing::debug!(request_id = %request_id::LogId(id.as_bytes()), method = %req.method(), status = 404, "no route");

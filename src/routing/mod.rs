@@ -16,7 +16,7 @@ struct Matcher {
 }
 
 impl Matcher {
-    fn matches(&self, method: &Method, host: Option<&str>, path: &str) -> bool {
+    fn matches(&self, method: &Method, host: Option<&[u8]>, path: &str) -> bool {
         let path_ok = match &self.path {
             PathMatch::Exact(p) => path == p,
             PathMatch::Prefix(p) => {
@@ -26,10 +26,9 @@ impl Matcher {
             }
         };
         path_ok
-            && self
-                .host
-                .as_deref()
-                .is_none_or(|want| host.is_some_and(|h| bare_host(h).eq_ignore_ascii_case(want)))
+            && self.host.as_deref().is_none_or(|want| {
+                host.is_some_and(|h| bare_host(h).eq_ignore_ascii_case(want.as_bytes()))
+            })
             && self
                 .methods
                 .as_ref()
@@ -39,18 +38,24 @@ impl Matcher {
 
 /// The host a `host:` match compares: without the port, and without the trailing dot of a
 /// fully qualified name (`api.example.com.:443` is `api.example.com`, as DNS and nginx's
-/// `server_name` read it).
-fn bare_host(host: &str) -> &str {
+/// `server_name` read it). Bytes, not text: the fast path would otherwise check every request's
+/// `Host` for UTF-8 to route it, though most tables have no `host:` match to compare it with.
+fn bare_host(host: &[u8]) -> &[u8] {
     let h = strip_port(host);
-    h.strip_suffix('.').unwrap_or(h)
+    h.strip_suffix(b".").unwrap_or(h)
 }
 
 /// `host:port` → `host`, keeping IPv6 literals (`[::1]:80` → `[::1]`).
-fn strip_port(host: &str) -> &str {
-    if host.starts_with('[') {
-        return host.find(']').map_or(host, |i| &host[..=i]);
+fn strip_port(host: &[u8]) -> &[u8] {
+    if host.starts_with(b"[") {
+        return host
+            .iter()
+            .position(|&b| b == b']')
+            .map_or(host, |i| &host[..=i]);
     }
-    host.rsplit_once(':').map_or(host, |(h, _)| h)
+    host.iter()
+        .rposition(|&b| b == b':')
+        .map_or(host, |i| &host[..i])
 }
 
 #[derive(Clone, Debug, Default)]
@@ -73,7 +78,7 @@ impl RouteTable {
     }
 
     /// Index of the first route whose match holds.
-    pub fn find(&self, method: &Method, host: Option<&str>, path: &str) -> Option<usize> {
+    pub fn find(&self, method: &Method, host: Option<&[u8]>, path: &str) -> Option<usize> {
         self.matchers
             .iter()
             .position(|m| m.matches(method, host, path))
@@ -230,13 +235,21 @@ mod tests {
         assert_eq!(t.find(&Method::POST, None, "/login"), Some(0));
         assert_eq!(t.find(&Method::GET, None, "/login"), Some(2));
         assert_eq!(
-            t.find(&Method::GET, Some("API.example.com:8080"), "/login"),
+            t.find(&Method::GET, Some(&b"API.example.com:8080"[..]), "/login"),
             Some(1)
         );
-        assert_eq!(t.find(&Method::GET, Some("other"), "/x"), Some(2));
+        assert_eq!(t.find(&Method::GET, Some(&b"other"[..]), "/x"), Some(2));
+        // An IPv6 literal keeps its colons; only the port goes.
+        assert_eq!(bare_host(b"[::1]:80"), b"[::1]");
+        assert_eq!(bare_host(b"[::1]"), b"[::1]");
+        assert_eq!(bare_host(b"h.example.:80"), b"h.example");
         // A fully qualified name's trailing dot is the same host.
         for fqdn in ["api.example.com.", "api.example.com.:443"] {
-            assert_eq!(t.find(&Method::GET, Some(fqdn), "/x"), Some(1), "{fqdn}");
+            assert_eq!(
+                t.find(&Method::GET, Some(fqdn.as_bytes()), "/x"),
+                Some(1),
+                "{fqdn}"
+            );
         }
         assert_eq!(t.find(&Method::POST, None, "/login/x"), Some(2));
     }

@@ -130,6 +130,24 @@ fn lock_in_order<'a>(checks: &[LocalCheck<'a>], held: &mut SmallVec<[Held<'a>; 4
     held.extend(locked.into_iter().map(|l| l.1));
 }
 
+/// What `c` answers at `now` for its key's live state (`None`: absent or expired, so full).
+#[inline(always)]
+fn verdict(c: &LocalCheck<'_>, state: Option<&State>, now: Micros) -> LocalVerdict {
+    let fresh;
+    let state = match state {
+        Some(state) => state,
+        None => {
+            fresh = c.algorithm.new_state();
+            &fresh
+        }
+    };
+    if c.max_delay > 0 {
+        c.algorithm.reserve(state, now, c.cost, c.max_delay)
+    } else {
+        c.algorithm.check(state, now, c.cost).map(|s| (s, 0))
+    }
+}
+
 fn decide_inner(
     checks: &[LocalCheck<'_>],
     now: Micros,
@@ -140,29 +158,25 @@ fn decide_inner(
     // addresses, not the route's limit order: a reload carries a limit's store over even when
     // the new config lists the route's limits in another order, and a request still on the old
     // config must not hold the lock a new one waits for while it waits for that one's.
-    let mut held: SmallVec<[Held<'_>; 4]> = SmallVec::new();
     if let [c] = checks {
-        held.push(lock(c));
-    } else {
-        lock_in_order(checks, &mut held);
+        // One limit, the common route: one guard, nothing to order or collect.
+        let (mut guard, found, hash) = lock(c);
+        let v = verdict(c, guard.live_at(found, now), now);
+        let all = v.is_ok() || c.shadow;
+        if all && charge && v.is_ok() {
+            commit(&mut guard, found, hash, c, now);
+        }
+        drop(guard);
+        let mut verdicts = SmallVec::new();
+        verdicts.push(v);
+        return (all, verdicts);
     }
+    let mut held: SmallVec<[Held<'_>; 4]> = SmallVec::new();
+    lock_in_order(checks, &mut held);
     let mut verdicts: SmallVec<[LocalVerdict; 4]> = SmallVec::new();
     let mut all = true;
     for (c, (guard, found, _)) in checks.iter().zip(&held) {
-        let fresh;
-        let found = *found;
-        let state = match guard.live_at(found, now) {
-            Some(state) => state,
-            None => {
-                fresh = c.algorithm.new_state();
-                &fresh
-            }
-        };
-        let v = if c.max_delay > 0 {
-            c.algorithm.reserve(state, now, c.cost, c.max_delay)
-        } else {
-            c.algorithm.check(state, now, c.cost).map(|s| (s, 0))
-        };
+        let v = verdict(c, guard.live_at(*found, now), now);
         all &= v.is_ok() || c.shadow;
         verdicts.push(v);
     }
@@ -278,6 +292,45 @@ mod tests {
                 }
             }
         });
+    }
+
+    proptest::proptest! {
+        /// A lone check is decided on its own path (one guard, no list); it must answer and
+        /// charge exactly as the same check does on the general path, beside a second limit
+        /// that always admits.
+        #[test]
+        fn one_limit_alone_decides_as_it_does_beside_another(
+            alg in 0..4usize,
+            shadow in proptest::bool::ANY,
+            delay in proptest::bool::ANY,
+            steps in proptest::collection::vec((0..400_000u64, 1..4u64, proptest::bool::ANY), 1..60),
+        ) {
+            let quota = Quota { count: 5, period: 1_000_000, burst: 3 };
+            let alg = match alg {
+                0 => Algorithm::Gcra(Gcra::new(quota)),
+                1 => Algorithm::FixedWindow(FixedWindow::new(quota)),
+                2 => Algorithm::SlidingWindow(crate::limit::algorithm::SlidingWindow::new(quota)),
+                _ => Algorithm::SlidingLog(crate::limit::algorithm::SlidingLog::new(quota)),
+            };
+            let wide = Algorithm::Gcra(Gcra::new(q(1_000_000)));
+            let (alone, paired, other) = (LocalStore::new(), LocalStore::new(), LocalStore::new());
+            let max_delay = if delay && matches!(alg, Algorithm::Gcra(_)) { 2_000_000 } else { 0 };
+            let mut now = 0;
+            for (step, cost, charge) in steps {
+                now += step;
+                let c = |store| LocalCheck { store, algorithm: &alg, key: b"k", cost, max_delay, shadow };
+                let one = [c(&alone)];
+                let two = [c(&paired), check(&other, &wide, b"k", false)];
+                let (a, b) = if charge {
+                    (decide(&one, now), decide(&two, now))
+                } else {
+                    (super::check(&one, now), super::check(&two, now))
+                };
+                proptest::prop_assert_eq!(a.0, b.0);
+                proptest::prop_assert_eq!(&a.1[0], &b.1[0]);
+                proptest::prop_assert_eq!(alone.peek(&alg, b"k", now), paired.peek(&alg, b"k", now));
+            }
+        }
     }
 
     #[test]
