@@ -4,6 +4,7 @@
 #
 #   bench/script.sh                    # ROUNDS=5 N=100000
 #   BASE=<git rev> bench/script.sh     # the same, next to the scripts as of that revision
+#   CALLGRIND=1 bench/script.sh        # instructions per EVALSHA instead (ROUNDS=1 N=20000)
 #
 # A fleet of gateways shares one Redis (or one per cluster slot), so the CPU Redis spends per
 # EVALSHA is what bounds global decisions per second. For each algorithm this runs
@@ -12,32 +13,51 @@
 # (1000000 per second, burst 1000000, cost 1, enforced, so every call admits and writes), and reads
 # `usec_per_call` of EVALSHA from INFO commandstats: the time inside the command (the Lua and
 # the commands it runs), without the network. Rounds are interleaved; medians are printed.
+# With CALLGRIND=1, redis-server runs under valgrind's callgrind and each figure is the
+# instructions it executed per EVALSHA (network included, pipelined 16 deep so the reads and
+# writes are few): a count, not a time, so it does not move with the machine's load; one
+# round is enough.
 set -Eeuo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
 LUA=src/limit/redis/lua
-ROUNDS="${ROUNDS:-5}"
-N="${N:-100000}"
-for tool in redis-server redis-cli redis-benchmark taskset python3; do
+CALLGRIND="${CALLGRIND:-}"
+ROUNDS="${ROUNDS:-$([[ -n $CALLGRIND ]] && echo 1 || echo 5)}"
+N="${N:-$([[ -n $CALLGRIND ]] && echo 20000 || echo 100000)}"
+for tool in redis-server redis-cli redis-benchmark taskset python3 ${CALLGRIND:+valgrind callgrind_control}; do
     command -v "$tool" >/dev/null || { echo "script.sh: $tool missing (apt-get install redis-server redis-tools)" >&2; exit 2; }
 done
 
 TMP="$(mktemp -d /tmp/tollgate-script.XXXXXX)"
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-taskset -c 0 redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >"$TMP/redis.log" 2>&1 &
+if [[ -n $CALLGRIND ]]; then
+    taskset -c 0 valgrind --tool=callgrind --callgrind-out-file="$TMP/cg.out" \
+        redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >"$TMP/redis.log" 2>&1 &
+else
+    taskset -c 0 redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >"$TMP/redis.log" 2>&1 &
+fi
 REDIS=$!
 trap 'kill $REDIS 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$TMP"' EXIT
-for _ in $(seq 50); do redis-cli -p "$PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 300); do redis-cli -p "$PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
 cli() { redis-cli -p "$PORT" "$@"; }
 
 # Script versions: this checkout, BASE's when given, and an empty script (`return 1`, with
 # gcra's arguments only): the floor, what any EVALSHA costs before its Lua does anything.
+# decide.lua as script.rs's DECIDE_LUA sends it, from the work tree (no REV) or from REV:
+# gcra.lua, decide_gcra.lua, lib.lua, decide.lua since they exist, lib.lua and decide.lua before.
+decide_script() {
+    local rev="${1:-}" f
+    show() { if [[ -z $rev ]]; then cat "$REPO/$LUA/$1"; else git -C "$REPO" show "$rev:$LUA/$1"; fi; }
+    local parts=(lib.lua decide.lua)
+    if show gcra.lua >/dev/null 2>&1; then parts=(gcra.lua decide_gcra.lua lib.lua decide.lua); fi
+    for f in "${parts[@]}"; do show "$f"; echo; done
+}
 VERSIONS=(here)
-cat "$REPO/$LUA/lib.lua" <(echo) "$REPO/$LUA/decide.lua" >"$TMP/here.lua"
+decide_script >"$TMP/here.lua"
 if [[ -n "${BASE:-}" ]]; then
     VERSIONS+=(base)
-    { git -C "$REPO" show "$BASE:$LUA/lib.lua"; echo; git -C "$REPO" show "$BASE:$LUA/decide.lua"; } >"$TMP/base.lua"
+    decide_script "$BASE" >"$TMP/base.lua"
 fi
 VERSIONS+=(empty)
 echo "return 1" >"$TMP/empty.lua"
@@ -50,6 +70,7 @@ declare -A CODE=([gcra]=1 [fixed_window]=2 [sliding_window]=3 [sliding_log]=4)
 declare -A KEYS=([gcra]="1 tg:{b}:gcra" [fixed_window]="1 tg:{b}:fw" [sliding_window]="1 tg:{b}:sw"
                  [sliding_log]="2 tg:{b}:log tg:{b}:logm")
 
+UNIT=$([[ -n $CALLGRIND ]] && echo instr || echo µs)
 declare -A US RPS
 for round in $(seq "$ROUNDS"); do
     for a in "${ALGOS[@]}"; do
@@ -57,13 +78,28 @@ for round in $(seq "$ROUNDS"); do
             [[ $v == empty && $a != gcra ]] && continue
             cli flushall >/dev/null
             cli config resetstat >/dev/null
+            if [[ -n $CALLGRIND ]]; then
+                callgrind_control -z "$REDIS" >/dev/null
+                pipeline=(-P 16)
+            else
+                pipeline=()
+            fi
             # shellcheck disable=SC2086 # KEYS holds the key count and the keys
-            out=$(taskset -c 1 redis-benchmark -p "$PORT" -c 50 -n "$N" -q \
+            out=$(taskset -c 1 redis-benchmark -p "$PORT" -c 50 -n "$N" "${pipeline[@]}" -q \
                 evalsha "${SHA[$v]}" ${KEYS[$a]} -1 1 1 "${CODE[$a]}" 1000000 1000000 1000000 1 0 0 2>&1 | tr '\r' '\n' | tail -1)
-            us=$(cli info commandstats | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
+            if [[ -n $CALLGRIND ]]; then
+                # Instructions since the zeroing, per call; the figure is in the µs column's place.
+                rm -f "$TMP"/cg.out.*
+                callgrind_control -d "$REDIS" >/dev/null
+                for _ in $(seq 50); do compgen -G "$TMP/cg.out.*" >/dev/null && break; sleep 0.1; done
+                calls=$(cli info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\).*/\1/p')
+                us=$(awk -v c="$calls" '/^(summary|totals):/ {printf "%.0f", $2 / c; exit}' "$TMP"/cg.out.*)
+            else
+                us=$(cli info commandstats | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
+            fi
             rps=$(sed -n 's/.*: \([0-9.]*\) requests per second.*/\1/p' <<<"$out")
             [[ -n "$us" && -n "$rps" ]] || { echo "script.sh: no figure for $a ($v): $out" >&2; exit 1; }
-            echo "round $round  $a  $v  ${us} µs/call  ${rps} calls/s"
+            echo "round $round  $a  $v  ${us} $UNIT/call  ${rps} calls/s"
             US[$a.$v]+="$us "
             RPS[$a.$v]+="$rps "
         done
@@ -72,8 +108,8 @@ done
 
 median() { tr ' ' '\n' <<<"$1" | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
 echo
-echo "medians over $ROUNDS rounds (redis-server on core 0, redis-benchmark -c 50 on core 1, N=$N)"
-printf '%-16s %-6s %12s %12s\n' algorithm script "µs/EVALSHA" "EVALSHA/s"
+echo "medians over $ROUNDS rounds (redis-server on core 0${CALLGRIND:+ under callgrind}, redis-benchmark -c 50${CALLGRIND:+ -P 16} on core 1, N=$N)"
+printf '%-16s %-6s %12s %12s\n' algorithm script "$UNIT/EVALSHA" "EVALSHA/s"
 for a in "${ALGOS[@]}"; do
     for v in "${VERSIONS[@]}"; do
         [[ $v == empty && $a != gcra ]] && continue

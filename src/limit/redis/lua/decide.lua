@@ -1,5 +1,6 @@
 -- decide.lua: one decision for all of a request's global limits, atomically. Sent as
--- `lib.lua .. decide.lua` (see lib.lua for the per-limit parameters and keys).
+-- `gcra.lua .. decide_gcra.lua .. lib.lua .. decide.lua` (see lib.lua for the per-limit
+-- parameters and keys); decide_gcra.lua answers first when every limit is gcra.
 --
 -- Every limit is checked first; only if every enforced limit admits is anything committed
 -- (each limit that admitted, shadow ones included), so a rejected request writes nothing and

@@ -1,6 +1,7 @@
 -- lib.lua: the four algorithms on Redis keys. Not a script by itself: script.rs sends
--- `lib.lua .. decide.lua` (or refund.lua, peek.lua) as one script, so the three entry points
--- share one copy of the arithmetic.
+-- `gcra.lua .. lib.lua .. decide.lua` (or refund.lua, peek.lua) as one script, so the three
+-- entry points share one copy of the arithmetic. gcra.lua holds the helpers (fdiv, fmt, num,
+-- clock) and the gcra arithmetic, which decide.lua's gcra-only path uses without this file.
 --
 -- Every function mirrors src/limit/algorithm/*.rs step for step: same integer formulas, same
 -- order, same rounding. Lua 5.1 numbers are doubles, exact up to 2^53; script.rs refuses
@@ -16,36 +17,6 @@
 --   max_delay  gcra: admit with a delay up to this many µs (0 = never); ignored by the others
 -- Keys per limit: sliding_log 2 (zset of entries, hash {sum, seq}); the others 1
 -- (gcra: string = tat; fixed_window: hash {s, c}; sliding_window: hash {s, c, p}).
-
--- floor(a / b) for integers, corrected for the rounding of the double quotient.
-local function fdiv(a, b)
-  local q = math.floor(a / b)
-  if q * b > a then
-    q = q - 1
-  elseif (q + 1) * b <= a then
-    q = q + 1
-  end
-  return q
-end
-
--- Integers as Redis arguments: tostring(1.7e15) would print "1.7e+15".
-local function fmt(x)
-  return string.format('%.0f', x)
-end
-
-local function num(v)
-  return tonumber(v) or 0
-end
-
--- The clock: Redis's own (so instances with skewed clocks agree), unless a test overrides it.
-local function clock(override)
-  local now = tonumber(override)
-  if now and now >= 0 then
-    return now
-  end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
 
 -- Keys live until their state is back to full, so idle keys cost no memory. A key already
 -- full is deleted rather than kept for a millisecond.
@@ -128,51 +99,23 @@ setmetatable(ALG, {
 -- gcra -------------------------------------------------------------------------------------
 
 BUILD[1] = function()
-  local function gcra_consts(l)
-    local t = math.max(1, fdiv(l.period + math.max(1, l.count) - 1, math.max(1, l.count)))
-    return t, t * l.burst
-  end
-
-  -- Units a full bucket could take with the TAT `ahead` of now.
-  local function takeable(s, ahead)
-    return fdiv(s.tau - math.min(ahead, s.tau), s.t)
-  end
-
   ALG[1] = {
     load = function(l)
-      local t, tau = gcra_consts(l)
+      local t, tau = gcra_consts(l.count, l.period, l.burst)
       return { tat = num(redis.call('GET', l.keys[1])), t = t, tau = tau }
     end,
     check = function(l, s, now)
-      local base = math.max(s.tat, now)
-      local new_tat = base + s.t * l.cost
-      local allow_at = math.max(0, new_tat - s.tau)
+      local admitted, remaining, reset_after, wait, new_tat =
+        gcra_check(s.tat, now, s.t, s.tau, l.cost, l.burst, l.max_delay)
       s.new_tat = new_tat
-      if allow_at > now then
-        local wait = allow_at - now
-        if wait <= l.max_delay and l.cost <= l.burst then
-          return 1, 0, new_tat - now, wait
-        end
-        -- With waits of up to max_delay allowed, the same request is admitted that much sooner.
-        if l.max_delay > 0 and l.cost <= l.burst then
-          wait = wait - l.max_delay
-        end
-        return 0, takeable(s, base - now), base - now, wait
-      end
-      return 1, takeable(s, new_tat - now), new_tat - now, 0
+      return admitted, remaining, reset_after, wait
     end,
     commit = function(l, s, now, floor_ms)
-      local tat = s.new_tat
-      if tat <= now then
-        redis.call('DEL', l.keys[1])
-      else
-        local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
-        redis.call('SET', l.keys[1], fmt(tat), 'PX', ms)
-      end
+      gcra_store(l.keys[1], s.new_tat, now, floor_ms)
     end,
     peek = function(l, s, now)
       local ahead = math.max(s.tat, now) - now
-      return fdiv(s.tau - math.min(ahead, s.tau), s.t), ahead
+      return gcra_takeable(s.t, s.tau, ahead), ahead
     end,
     -- Without this request, a commit made between `at` and now would have started from its own
     -- instant rather than from this request's TAT: up to `now - at` of the emission is
@@ -184,8 +127,7 @@ BUILD[1] = function()
       if s.tat == 0 or back <= 0 then
         return 0
       end
-      s.new_tat = s.tat - back
-      ALG[1].commit(l, s, now, floor_ms)
+      gcra_store(l.keys[1], s.tat - back, now, floor_ms)
       return 1
     end,
   }

@@ -1,5 +1,5 @@
 -- peek.lua: the current state of one limit's key, read-only, for the admin API. Sent as
--- `lib.lua .. peek.lua`.
+-- `gcra.lua .. lib.lua .. peek.lua`.
 --
 -- KEYS:  the limit's keys, as for decide.lua
 -- ARGV:  [1] now override in µs, or -1 for TIME

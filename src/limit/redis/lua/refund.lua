@@ -1,6 +1,7 @@
 -- refund.lua: gives back one limit's units taken by an earlier decide.lua call. Sent as
--- `lib.lua .. refund.lua`. Used on a Redis Cluster, where a request's limits on different
--- slots are decided by separate calls: when one rejects, the others' commits are undone.
+-- `gcra.lua .. lib.lua .. refund.lua`. Used on a Redis Cluster, where a request's limits on
+-- different slots are decided by separate calls: when one rejects, the others' commits are
+-- undone.
 --
 -- KEYS:  the limit's keys, as for decide.lua
 -- ARGV:  [1] now override in µs, or -1 for TIME

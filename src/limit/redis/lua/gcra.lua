@@ -1,0 +1,81 @@
+-- gcra.lua: the helpers every script needs and the gcra arithmetic, first in every script
+-- (script.rs sends `gcra.lua .. lib.lua .. <entry point>`, and decide.lua's gcra-only path
+-- before lib.lua). Kept apart from lib.lua because a script's whole body runs on every call:
+-- a decision whose limits are all gcra (the common case) returns before lib.lua has defined
+-- anything, and every closure or table a call creates costs Redis CPU (see script.rs).
+--
+-- The arithmetic mirrors src/limit/algorithm/gcra.rs step for step; see lib.lua for the
+-- numeric range (doubles, exact below 2^53).
+
+-- floor(a / b) for integers, corrected for the rounding of the double quotient.
+local function fdiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then
+    q = q - 1
+  elseif (q + 1) * b <= a then
+    q = q + 1
+  end
+  return q
+end
+
+-- Integers as Redis arguments: tostring(1.7e15) would print "1.7e+15". '%d' formats through
+-- a C long (64 bits here), exact for every value these scripts write (< 2^53), and costs
+-- Redis less than half what '%.0f' does.
+local function fmt(x)
+  return string.format('%d', x)
+end
+
+local function num(v)
+  return tonumber(v) or 0
+end
+
+-- The clock: Redis's own (so instances with skewed clocks agree), unless a test overrides it.
+local function clock(override)
+  local now = tonumber(override)
+  if now and now >= 0 then
+    return now
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- The emission interval t of a quota and its tolerance tau (= t × burst).
+local function gcra_consts(count, period, burst)
+  local t = math.max(1, fdiv(period + math.max(1, count) - 1, math.max(1, count)))
+  return t, t * burst
+end
+
+-- Units a full bucket could take with the TAT `ahead` of now.
+local function gcra_takeable(t, tau, ahead)
+  return fdiv(tau - math.min(ahead, tau), t)
+end
+
+-- One check against the stored TAT (0: none). Returns admitted (1|0), remaining,
+-- reset_after, retry_after (rejected) or delay (admitted), and the TAT to store on commit.
+local function gcra_check(tat, now, t, tau, cost, burst, max_delay)
+  local base = math.max(tat, now)
+  local new_tat = base + t * cost
+  local allow_at = math.max(0, new_tat - tau)
+  if allow_at > now then
+    local wait = allow_at - now
+    if wait <= max_delay and cost <= burst then
+      return 1, 0, new_tat - now, wait, new_tat
+    end
+    -- With waits of up to max_delay allowed, the same request is admitted that much sooner.
+    if max_delay > 0 and cost <= burst then
+      wait = wait - max_delay
+    end
+    return 0, gcra_takeable(t, tau, base - now), base - now, wait, new_tat
+  end
+  return 1, gcra_takeable(t, tau, new_tat - now), new_tat - now, 0, new_tat
+end
+
+-- Stores a TAT until it has passed (a TAT already past is a full bucket: the key goes).
+local function gcra_store(key, tat, now, floor_ms)
+  if tat <= now then
+    redis.call('DEL', key)
+  else
+    local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
+    redis.call('SET', key, fmt(tat), 'PX', ms)
+  end
+end
