@@ -434,12 +434,12 @@ tg_redis_errors() {
         | awk -F'[{}"]' '/^tollgate_redis_errors_total\{/ { n = split($0, f, " "); print $3 "=" f[n] }' | sort | paste -sd' ' -
 }
 
-# The decide script exactly as tollgate sends it: script.rs DECIDE_LUA is
-# concat!(lib.lua, "\n", decide.lua). Same bytes, same SHA.
+# The decide script exactly as tollgate sends it (bench/decide_lua.sh reads script.rs's
+# DECIDE_LUA). Same bytes, same SHA.
 DECIDE_SHA=""
 prepare_ceiling() {
     local lua="$TMP/decide-full.lua"
-    { cat "$REPO/src/limit/redis/lua/lib.lua"; printf '\n'; cat "$REPO/src/limit/redis/lua/decide.lua"; } > "$lua"
+    "$REPO/bench/decide_lua.sh" > "$lua"
     DECIDE_SHA="$(sha1sum "$lua" | cut -d' ' -f1)"
     # tollgate global admit has decided a request by now, so tollgate loaded
     # its script: it must be ours, byte for byte.

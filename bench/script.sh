@@ -44,20 +44,11 @@ cli() { redis-cli -p "$PORT" "$@"; }
 
 # Script versions: this checkout, BASE's when given, and an empty script (`return 1`, with
 # gcra's arguments only): the floor, what any EVALSHA costs before its Lua does anything.
-# decide.lua as script.rs's DECIDE_LUA sends it, from the work tree (no REV) or from REV:
-# gcra.lua, decide_gcra.lua, lib.lua, decide.lua since they exist, lib.lua and decide.lua before.
-decide_script() {
-    local rev="${1:-}" f
-    show() { if [[ -z $rev ]]; then cat "$REPO/$LUA/$1"; else git -C "$REPO" show "$rev:$LUA/$1"; fi; }
-    local parts=(lib.lua decide.lua)
-    if show gcra.lua >/dev/null 2>&1; then parts=(gcra.lua decide_gcra.lua lib.lua decide.lua); fi
-    for f in "${parts[@]}"; do show "$f"; echo; done
-}
 VERSIONS=(here)
-decide_script >"$TMP/here.lua"
+"$HERE/decide_lua.sh" >"$TMP/here.lua"
 if [[ -n "${BASE:-}" ]]; then
     VERSIONS+=(base)
-    decide_script "$BASE" >"$TMP/base.lua"
+    "$HERE/decide_lua.sh" "$BASE" >"$TMP/base.lua"
 fi
 VERSIONS+=(empty)
 echo "return 1" >"$TMP/empty.lua"

@@ -37,6 +37,15 @@ pub enum AppError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    /// What `tollgate check` says of the same addresses, rather than the second bind's
+    /// "address in use", which sends an operator looking for another process.
+    #[error(
+        "listen {listen} and admin {admin} would bind the same port: give them different ports"
+    )]
+    SamePort {
+        listen: SocketAddr,
+        admin: SocketAddr,
+    },
     #[error(transparent)]
     Config(#[from] ConfigError),
 }
@@ -220,6 +229,9 @@ impl App {
     ) -> Result<Self, AppError> {
         let listen = options.listen.unwrap_or(config.server.listen);
         let admin = options.admin.unwrap_or(config.server.admin);
+        if config::same_port(listen, admin) {
+            return Err(AppError::SamePort { listen, admin });
+        }
         let proxy_listener = TcpListener::bind(listen)
             .await
             .map_err(|source| AppError::Bind {

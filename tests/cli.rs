@@ -197,6 +197,34 @@ fn check_summarises_listen_and_admin_overrides() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("same port"));
 }
 
+/// `run` gives the reason `check` gives, not the second bind's "address in use", which would
+/// send an operator looking for another process on a port that is free.
+#[test]
+fn run_with_listen_and_admin_on_one_port_says_so() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let out = tollgate()
+        .args([
+            "run",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml"),
+            "--listen",
+            &addr,
+            "--admin",
+            &addr,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("would bind the same port"), "{err}");
+    assert!(!err.contains("in use"), "{err}");
+}
+
 #[test]
 fn run_on_a_busy_port_exits_1_naming_the_address_and_the_cause_once() {
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

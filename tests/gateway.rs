@@ -658,6 +658,25 @@ async fn dot_segments_are_refused_with_400() {
 }
 
 #[tokio::test]
+async fn a_target_without_a_leading_slash_is_refused_with_400() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&yaml(&up.url(), "  - name: all\n    upstream: UPSTREAM\n")).await;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for target in ["rr", "example.com:80"] {
+        let mut s = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+        s.write_all(
+            format!("GET {target} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        assert!(out.starts_with("HTTP/1.1 400"), "{target}: {out}");
+    }
+    assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
 async fn percent_encoded_letters_reach_the_same_route_limit_and_upstream_path() {
     let up = Upstream::start().await;
     let routes = "  - name: login\n    match: { path_prefix: /login }\n    upstream: UPSTREAM\n    limits:\n      - { name: once, key: ip, algorithm: fixed_window, rate: 1/1h, scope: local }\n  - name: rest\n    upstream: UPSTREAM\n";

@@ -220,3 +220,32 @@ async fn a_second_signal_exits_at_once() {
         "the in-flight request was cut"
     );
 }
+
+/// A deleted config file is said once in the log (it used to go unsaid) and the running
+/// config keeps serving.
+#[tokio::test]
+async fn a_deleted_config_file_is_logged_once_and_the_running_config_stays() {
+    use std::io::Read;
+    let up = Upstream::start().await;
+    let mut p = Proc::start(&routes(&up.url(), "1000/1s"), &[], &[], true).await;
+    let c = client();
+    std::fs::remove_file(&p.path).unwrap();
+    // The watcher reads the file once the directory has been quiet for 200 ms.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(status(&c, &p.proxy).await, 200);
+    p.signal("TERM");
+    assert!(p.exited_ok().await);
+    let mut err = String::new();
+    p.child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(
+        err.matches("the config file cannot be read; the running config stays")
+            .count(),
+        1,
+        "{err}"
+    );
+}

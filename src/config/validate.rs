@@ -40,7 +40,7 @@ pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -
     if routes.is_empty() {
         warnings.push(Invalid::new(
             Pos { line: 1, column: 1 },
-            "no routes: every request gets 404",
+            "warning: no routes: every request gets 404",
         ));
     }
     Ok(Config {

@@ -27,6 +27,9 @@ pub struct ConfigWatch {
     changed: Arc<tokio::sync::Notify>,
     path: PathBuf,
     last: Option<Vec<u8>>,
+    /// The file could not be read at the last look (and that was logged): logged once per
+    /// absence, not per event.
+    unreadable: bool,
 }
 
 impl ConfigWatch {
@@ -51,6 +54,7 @@ impl ConfigWatch {
             changed,
             path: path.to_path_buf(),
             last: std::fs::read(path).ok(),
+            unreadable: false,
         })
     }
 
@@ -66,10 +70,24 @@ impl ConfigWatch {
                 .is_ok()
                 && tokio::time::Instant::now() < give_up
             {}
-            // Mid-rename the file can be briefly absent: wait for the next event.
-            let Ok(now) = std::fs::read(&self.path) else {
-                continue;
+            // Mid-rename the file can be briefly absent, but not once the directory has been
+            // quiet: a file deleted (or made unreadable) is said once, and the next event that
+            // brings it back is read as any change.
+            let now = match std::fs::read(&self.path) {
+                Ok(now) => now,
+                Err(e) => {
+                    if !self.unreadable {
+                        self.unreadable = true;
+                        tracing::warn!(
+                            path = %self.path.display(),
+                            error = %e,
+                            "the config file cannot be read; the running config stays"
+                        );
+                    }
+                    continue;
+                }
             };
+            self.unreadable = false;
             if self.last.as_deref() != Some(&now[..]) {
                 self.last = Some(now);
                 return;

@@ -93,6 +93,12 @@ impl Proxy {
             Some(response::connect_not_allowed())
         } else if !headers::only_chunked(req.headers()) {
             Some(response::coding_not_implemented())
+        } else if req.uri().scheme().is_none() && req.uri().authority().is_some() {
+            // `GET host:port HTTP/1.1`: the authority form is CONNECT's alone (RFC 9112 §3.2.3);
+            // nginx answers 400 too, where routing would have answered 404.
+            Some(response::bad_request(
+                "the request target must start with / (or be an absolute URI)",
+            ))
         } else {
             // A path no upstream should be sent (dot segments, bad escapes, NUL) is refused
             // before routing, whether or not a route would match it: 400, never a 404.

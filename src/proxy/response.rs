@@ -109,7 +109,7 @@ pub fn bad_gateway(route: &str) -> Response<Body> {
     json(
         StatusCode::BAD_GATEWAY,
         format!(
-            r#"{{"error":"bad_gateway","route":{},"message":"upstream not reachable"}}"#,
+            r#"{{"error":"bad_gateway","route":{},"message":"no valid answer from the upstream: connection refused or failed, or not HTTP"}}"#,
             escape(route)
         ),
     )

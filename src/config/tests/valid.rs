@@ -277,7 +277,7 @@ fn no_routes_loads_with_a_warning_and_an_empty_file_is_refused() {
         let warnings: Vec<String> = cfg.warnings.iter().map(|w| w.to_string()).collect();
         assert_eq!(
             warnings,
-            ["routes.yaml:1:1: no routes: every request gets 404"]
+            ["routes.yaml:1:1: warning: no routes: every request gets 404"]
         );
     }
     assert!(summary(&Config::default()).contains("routes   none: every request gets 404"));

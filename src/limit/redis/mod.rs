@@ -46,6 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
+use fred::interfaces::EventInterface;
 use fred::prelude::{
     Builder, ClientLike, Config, ConnectionConfig, PerformanceConfig, Pool, ReconnectPolicy,
     ServerConfig,
@@ -388,6 +389,7 @@ impl RedisStore {
         });
         for client in inner.pool.clients() {
             runtime.spawn(supervise(client.clone(), Arc::downgrade(&inner)));
+            runtime.spawn(log_connection_errors(client.error_rx()));
         }
         runtime.spawn(probe_loop(Arc::downgrade(&inner)));
         Ok(Self { inner })
@@ -735,6 +737,46 @@ async fn supervise(client: fred::clients::Client, inner: Weak<Inner>) {
         wait = (wait * 2).min(Duration::from_secs(5));
     }
 }
+
+/// fred tells why a connection failed (refused, `WRONGPASS`, a TLS error...) only on its
+/// error channel: without this, a wrong password reads as Redis being down (the breaker
+/// opens, `kind="unavailable"`). One warning per cause, repeated at most every
+/// [`ERROR_LOG_EVERY`] while it lasts, so a reconnect loop does not flood the log. Ends when
+/// the client is dropped.
+async fn log_connection_errors(
+    mut errors: tokio::sync::broadcast::Receiver<(
+        fred::error::Error,
+        Option<fred::types::config::Server>,
+    )>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    let mut last: Option<(String, Instant)> = None;
+    loop {
+        match errors.recv().await {
+            Ok((error, server)) => {
+                let text = error.to_string();
+                let now = Instant::now();
+                if last.as_ref().is_some_and(|(seen, at)| {
+                    *seen == text && now.duration_since(*at) < ERROR_LOG_EVERY
+                }) {
+                    continue;
+                }
+                match server {
+                    Some(server) => {
+                        tracing::warn!(%server, error = %text, "redis connection failed")
+                    }
+                    None => tracing::warn!(error = %text, "redis connection failed"),
+                }
+                last = Some((text, now));
+            }
+            Err(RecvError::Lagged(_)) => {}
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+/// How often one unchanged connection error is logged again.
+const ERROR_LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// PINGs while the breaker is open or Redis never answered. Holds only a weak reference,
 /// so it ends with the last [`RedisStore`] clone (or at shutdown).

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# bench/decide_lua.sh [REV] — prints decide's script exactly as tollgate sends it: the files
+# script.rs's DECIDE_LUA includes, in its order, joined by "\n" as its concat! does (same bytes,
+# same SHA), from the work tree, or from git revision REV. bench/load.sh and bench/script.sh
+# read the order from script.rs through this, so a new part cannot be missed by one of them.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+rev="${1:-}"
+show() {
+    if [[ -z $rev ]]; then cat "$REPO/src/limit/redis/$1"; else git -C "$REPO" show "$rev:src/limit/redis/$1"; fi
+}
+parts=$(show script.rs | sed -n '/^pub const DECIDE_LUA/,/^);/s/.*include_str!("\(lua\/[a-z_]*\.lua\)").*/\1/p')
+[[ -n $parts ]] || { echo "decide_lua.sh: no DECIDE_LUA parts in script.rs${rev:+ at $rev}" >&2; exit 1; }
+first=1
+for f in $parts; do
+    [[ $first == 1 ]] || printf '\n'
+    first=0
+    show "$f"
+done
