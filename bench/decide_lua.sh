@@ -9,8 +9,12 @@ rev="${1:-}"
 show() {
     if [[ -z $rev ]]; then cat "$REPO/src/limit/redis/$1"; else git -C "$REPO" show "$rev:src/limit/redis/$1"; fi
 }
-parts=$(show script.rs | sed -n '/^pub const DECIDE_LUA/,/^);/s/.*include_str!("\(lua\/[a-z_]*\.lua\)").*/\1/p')
-[[ -n $parts ]] || { echo "decide_lua.sh: no DECIDE_LUA parts in script.rs${rev:+ at $rev}" >&2; exit 1; }
+parts=$(show script.rs | sed -n '/^pub const DECIDE_LUA/,/^);/s/.*include_str!("\(lua\/[A-Za-z0-9_.-]*\)").*/\1/p')
+want=$(show script.rs | sed -n '/^pub const DECIDE_LUA/,/^);/p' | grep -c 'include_str!' || true)
+if [[ -z $parts || $(wc -w <<<"$parts") -ne $want ]]; then
+    echo "decide_lua.sh: read [$parts] of the $want DECIDE_LUA parts in script.rs${rev:+ at $rev}" >&2
+    exit 1
+fi
 first=1
 for f in $parts; do
     [[ $first == 1 ]] || printf '\n'

@@ -221,31 +221,67 @@ async fn a_second_signal_exits_at_once() {
     );
 }
 
-/// A deleted config file is said once in the log (it used to go unsaid) and the running
-/// config keeps serving.
+/// A deleted config file is said once in the log (it used to go unsaid), however many events
+/// follow while it is gone, and the running config keeps serving.
 #[tokio::test]
 async fn a_deleted_config_file_is_logged_once_and_the_running_config_stays() {
-    use std::io::Read;
+    use std::io::{BufRead, BufReader};
+    use std::sync::{Arc, Mutex};
+    const LINE: &str = "the config file cannot be read; the running config stays";
     let up = Upstream::start().await;
     let mut p = Proc::start(&routes(&up.url(), "1000/1s"), &[], &[], true).await;
+    let log = Arc::new(Mutex::new(String::new()));
+    let stderr = p.child.stderr.take().unwrap();
+    let reader = std::thread::spawn({
+        let log = log.clone();
+        move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = log.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        }
+    });
+    let said = || log.lock().unwrap().matches(LINE).count();
     let c = client();
+    // The watcher starts in a task of its own once the listeners are up: a change it applies
+    // shows it is watching before the file goes.
+    let text = std::fs::read_to_string(&p.path)
+        .unwrap()
+        .replace("1000/1s", "999/1s");
+    std::fs::write(&p.path, text).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let cfg: serde_json::Value = c
+            .get(format!("{}/admin/config", p.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if cfg["routes"][0]["limits"][0]["rate"] == "999/1s" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the edit was not applied: {cfg}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     std::fs::remove_file(&p.path).unwrap();
-    // The watcher reads the file once the directory has been quiet for 200 ms.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while said() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "not logged: {}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(status(&c, &p.proxy).await, 200);
+    // More events in the directory while the file is gone: read again, not said again.
+    std::fs::write(p.path.with_file_name("other.txt"), "x").unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
     p.signal("TERM");
     assert!(p.exited_ok().await);
-    let mut err = String::new();
-    p.child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert_eq!(
-        err.matches("the config file cannot be read; the running config stays")
-            .count(),
-        1,
-        "{err}"
-    );
+    reader.join().unwrap();
+    assert_eq!(said(), 1, "{}", log.lock().unwrap());
 }

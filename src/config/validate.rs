@@ -634,10 +634,38 @@ fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
 }
 
 /// Whether the two listeners would bind one port (port 0 is any free port, never the same).
+/// A wildcard covers its own family, and `[::]` both (Linux binds it dual-stack): `0.0.0.0`
+/// and `[::1]` on one port bind side by side.
 pub fn same_port(listen: std::net::SocketAddr, admin: std::net::SocketAddr) -> bool {
+    let covers = |wild: std::net::SocketAddr, other: std::net::SocketAddr| {
+        wild.ip().is_unspecified() && (wild.is_ipv6() || other.is_ipv4())
+    };
     listen.port() == admin.port()
         && listen.port() != 0
-        && (listen.ip() == admin.ip()
-            || listen.ip().is_unspecified()
-            || admin.ip().is_unspecified())
+        && (listen.ip() == admin.ip() || covers(listen, admin) || covers(admin, listen))
+}
+
+#[cfg(test)]
+mod same_port_tests {
+    use super::same_port;
+
+    #[test]
+    fn a_wildcard_covers_its_family_and_the_v6_one_both() {
+        let at = |s: &str| s.parse::<std::net::SocketAddr>().unwrap();
+        for (l, a, same) in [
+            ("127.0.0.1:80", "127.0.0.1:80", true),
+            ("127.0.0.1:80", "127.0.0.2:80", false),
+            ("127.0.0.1:80", "127.0.0.1:81", false),
+            ("127.0.0.1:0", "127.0.0.1:0", false),
+            ("0.0.0.0:80", "127.0.0.1:80", true),
+            ("0.0.0.0:80", "[::1]:80", false),
+            ("[::]:80", "127.0.0.1:80", true),
+            ("[::]:80", "[::1]:80", true),
+            ("[::1]:80", "127.0.0.1:80", false),
+            ("0.0.0.0:80", "[::]:80", true),
+        ] {
+            assert_eq!(same_port(at(l), at(a)), same, "{l} {a}");
+            assert_eq!(same_port(at(a), at(l)), same, "{a} {l}");
+        }
+    }
 }

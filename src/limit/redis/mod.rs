@@ -387,9 +387,10 @@ impl RedisStore {
             breaker: Mutex::new(Breaker::new(BREAKER_THRESHOLD, PROBE_EVERY)),
             shut_down: AtomicBool::new(false),
         });
+        let logged = Arc::new(Mutex::new(BTreeMap::new()));
         for client in inner.pool.clients() {
             runtime.spawn(supervise(client.clone(), Arc::downgrade(&inner)));
-            runtime.spawn(log_connection_errors(client.error_rx()));
+            runtime.spawn(log_connection_errors(client.error_rx(), logged.clone()));
         }
         runtime.spawn(probe_loop(Arc::downgrade(&inner)));
         Ok(Self { inner })
@@ -740,26 +741,31 @@ async fn supervise(client: fred::clients::Client, inner: Weak<Inner>) {
 
 /// fred tells why a connection failed (refused, `WRONGPASS`, a TLS error...) only on its
 /// error channel: without this, a wrong password reads as Redis being down (the breaker
-/// opens, `kind="unavailable"`). One warning per cause, repeated at most every
-/// [`ERROR_LOG_EVERY`] while it lasts, so a reconnect loop does not flood the log. Ends when
-/// the client is dropped.
+/// opens, `kind="unavailable"`). One warning per cause across the pool's clients (`logged`,
+/// shared: cause → when last logged), repeated at most every [`ERROR_LOG_EVERY`] while it
+/// lasts, so reconnect loops, or several nodes failing differently, do not flood the log.
+/// Ends when the client is dropped.
 async fn log_connection_errors(
     mut errors: tokio::sync::broadcast::Receiver<(
         fred::error::Error,
         Option<fred::types::config::Server>,
     )>,
+    logged: Arc<Mutex<BTreeMap<String, Instant>>>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
-    let mut last: Option<(String, Instant)> = None;
     loop {
         match errors.recv().await {
             Ok((error, server)) => {
                 let text = error.to_string();
                 let now = Instant::now();
-                if last.as_ref().is_some_and(|(seen, at)| {
-                    *seen == text && now.duration_since(*at) < ERROR_LOG_EVERY
-                }) {
-                    continue;
+                {
+                    let mut logged = logged.lock().unwrap_or_else(|p| p.into_inner());
+                    // Causes not seen for a while are forgotten, so the map stays small.
+                    logged.retain(|_, at| now.duration_since(*at) < ERROR_LOG_EVERY);
+                    if logged.contains_key(&text) {
+                        continue;
+                    }
+                    logged.insert(text.clone(), now);
                 }
                 match server {
                     Some(server) => {
@@ -767,7 +773,6 @@ async fn log_connection_errors(
                     }
                     None => tracing::warn!(error = %text, "redis connection failed"),
                 }
-                last = Some((text, now));
             }
             Err(RecvError::Lagged(_)) => {}
             Err(RecvError::Closed) => return,
