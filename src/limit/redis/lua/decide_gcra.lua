@@ -18,8 +18,9 @@ do
   if gcra_only then
     local now = clock(ARGV[1])
     local floor_ms = tonumber(ARGV[2]) or 1
-    local out = { 1, now }
-    local tats = {}
+    -- Sized for one limit, the usual case: growing a table is an allocation and a copy.
+    local out = { 1, now, 0, 0, 0, 0 }
+    local tats = { 0 }
     for i = 1, n do
       local b = 3 + (i - 1) * 7
       local count, period, burst = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
@@ -31,10 +32,11 @@ do
       local admitted, remaining, reset_after, wait, new_tat =
         gcra_check(num(redis.call('GET', KEYS[i])), now, t, tau, cost, burst, max_delay)
       tats[i] = new_tat
-      out[#out + 1] = admitted
-      out[#out + 1] = remaining
-      out[#out + 1] = reset_after
-      out[#out + 1] = wait
+      local at = 2 + (i - 1) * 4
+      out[at + 1] = admitted
+      out[at + 2] = remaining
+      out[at + 3] = reset_after
+      out[at + 4] = wait
       if admitted == 0 and ARGV[b + 7] ~= '1' then
         out[1] = 0
       end
