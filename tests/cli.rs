@@ -197,6 +197,22 @@ fn check_summarises_listen_and_admin_overrides() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("same port"));
 }
 
+/// `tollgate run` on the shipped routes.yaml with both addresses overridden, to its exit.
+fn run_shipped(listen: &str, admin: &str) -> std::process::Output {
+    tollgate()
+        .args([
+            "run",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml"),
+            "--listen",
+            listen,
+            "--admin",
+            admin,
+        ])
+        .output()
+        .unwrap()
+}
+
 /// `run` gives the reason `check` gives, not the second bind's "address in use", which would
 /// send an operator looking for another process on a port that is free.
 #[test]
@@ -207,18 +223,7 @@ fn run_with_listen_and_admin_on_one_port_says_so() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let out = tollgate()
-        .args([
-            "run",
-            "--config",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml"),
-            "--listen",
-            &addr,
-            "--admin",
-            &addr,
-        ])
-        .output()
-        .unwrap();
+    let out = run_shipped(&addr, &addr);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("would bind the same port"), "{err}");
@@ -229,18 +234,7 @@ fn run_with_listen_and_admin_on_one_port_says_so() {
 fn run_on_a_busy_port_exits_1_naming_the_address_and_the_cause_once() {
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = busy.local_addr().unwrap().to_string();
-    let out = tollgate()
-        .args([
-            "run",
-            "--config",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/routes.yaml"),
-            "--listen",
-            &addr,
-            "--admin",
-            "127.0.0.1:0",
-        ])
-        .output()
-        .unwrap();
+    let out = run_shipped(&addr, "127.0.0.1:0");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot listen on {addr}")), "{err}");

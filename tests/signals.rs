@@ -34,6 +34,26 @@ async fn status(c: &reqwest::Client, proxy: &str) -> reqwest::StatusCode {
     c.get(format!("{proxy}/")).send().await.unwrap().status()
 }
 
+/// Waits (at most 10 s) until the running config's first limit has `rate`.
+async fn wait_for_rate(c: &reqwest::Client, admin: &str, rate: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let cfg: serde_json::Value = c
+            .get(format!("{admin}/admin/config"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if cfg["routes"][0]["limits"][0]["rate"] == rate {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not applied: {cfg}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn sighup_reloads_the_file() {
     let up = Upstream::start().await;
@@ -47,22 +67,7 @@ async fn sighup_reloads_the_file() {
     // Written in place without a rename: the watcher may see it too; either way it reloads.
     std::fs::write(&p.path, text).unwrap();
     p.signal("HUP");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let cfg: serde_json::Value = c
-            .get(format!("{}/admin/config", p.admin))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if cfg["routes"][0]["limits"][0]["rate"] == "1/1s" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not reloaded: {cfg}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_rate(&c, &p.admin, "1/1s").await;
 }
 
 async fn drains_on(sig: &str) {
@@ -250,22 +255,7 @@ async fn a_deleted_config_file_is_logged_once_and_the_running_config_stays() {
         .unwrap()
         .replace("1000/1s", "999/1s");
     std::fs::write(&p.path, text).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let cfg: serde_json::Value = c
-            .get(format!("{}/admin/config", p.admin))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if cfg["routes"][0]["limits"][0]["rate"] == "999/1s" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the edit was not applied: {cfg}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_rate(&c, &p.admin, "999/1s").await;
     std::fs::remove_file(&p.path).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while said() == 0 {
