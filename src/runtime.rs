@@ -342,6 +342,7 @@ mod tests {
             uri,
             headers: &headers,
             client_ip: [127, 0, 0, 1].into(),
+            client_ip_text: None,
             route: "r",
         };
         matches!(

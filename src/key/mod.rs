@@ -39,6 +39,9 @@ pub struct RequestParts<'a> {
     pub uri: &'a Uri,
     pub headers: &'a HeaderMap,
     pub client_ip: IpAddr,
+    /// `client_ip`'s text when the caller has it already (the HTTP/1.1 path keeps its peer's
+    /// per connection), so a key's `ip` part does not format it again.
+    pub client_ip_text: Option<&'a [u8]>,
     pub route: &'a str,
 }
 
@@ -71,7 +74,7 @@ impl KeySpec {
             }
             let present = match part {
                 KeyPart::Ip => {
-                    push_ip(out, req.client_ip);
+                    push_client_ip(out, req);
                     true
                 }
                 KeyPart::Header(name) if name == http::header::COOKIE => {
@@ -130,7 +133,7 @@ impl KeySpec {
                         // `ip <address>`: the space is escaped in every value (`%20`), so no
                         // header or query value, whatever it spells, can make this key.
                         out.extend_from_slice(b"ip ");
-                        push_ip(out, req.client_ip);
+                        push_client_ip(out, req);
                         KeyOutcome::Built
                     }
                 };
@@ -140,9 +143,30 @@ impl KeySpec {
     }
 }
 
-fn push_ip(out: &mut KeyBuf, ip: IpAddr) {
-    let mut buf = [0; IP_TEXT_MAX];
-    out.extend_from_slice(ip_text(ip, &mut buf));
+fn push_client_ip(out: &mut KeyBuf, req: &RequestParts<'_>) {
+    match req.client_ip_text {
+        Some(text) => out.extend_from_slice(text),
+        None => out.extend_from_slice(IpText::new(req.client_ip).as_bytes()),
+    }
+}
+
+/// An address's text ([`ip_text`]) kept by value: formatted once for a connection's peer.
+#[derive(Clone, Copy)]
+pub struct IpText {
+    buf: [u8; IP_TEXT_MAX],
+    len: u8,
+}
+
+impl IpText {
+    pub fn new(ip: IpAddr) -> Self {
+        let mut buf = [0; IP_TEXT_MAX];
+        let len = ip_text(ip, &mut buf).len() as u8;
+        Self { buf, len }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..usize::from(self.len)]
+    }
 }
 
 /// Longest text of an address: an IPv6 address with an embedded IPv4 one.
@@ -345,6 +369,8 @@ mod tests {
                 .unwrap()
                 .to_owned();
             assert_eq!(text, ip.to_canonical().to_string(), "{ip:?}");
+            // The copy a connection keeps holds the same text, the longest included.
+            assert_eq!(IpText::new(ip).as_bytes(), text.as_bytes(), "{ip:?}");
         };
         for n in (0..=u32::MAX)
             .step_by(9_973_919)
@@ -375,6 +401,7 @@ mod tests {
             uri,
             headers,
             client_ip: "10.1.2.3".parse().unwrap(),
+            client_ip_text: None,
             route: "users",
         }
     }

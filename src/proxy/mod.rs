@@ -148,6 +148,7 @@ impl Proxy {
             uri: req.uri(),
             headers: req.headers(),
             client_ip: client,
+            client_ip_text: None,
             route: &route.name,
         };
         let info = match self

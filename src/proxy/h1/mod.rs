@@ -92,6 +92,7 @@ pub async fn serve(
         ufields: Vec::with_capacity(16),
         scratch: (Vec::new(), Vec::new()),
         stop: ctl.stop,
+        peer_text: crate::key::IpText::new(peer.ip()),
         idle: LazyTimer::new(),
         idle_from: tokio::time::Instant::now(),
         route_timer: LazyTimer::new(),
@@ -124,6 +125,8 @@ struct Conn {
     /// Header fields and body of tollgate's own answers, being written.
     scratch: (Vec<u8>, Vec<u8>),
     stop: watch::Receiver<bool>,
+    /// The peer's address as text, for `X-Forwarded-For` and `ip` keys: formatted once.
+    peer_text: crate::key::IpText,
     /// The head timeout, [`HEAD_TIMEOUT`] after `idle_from`.
     idle: LazyTimer,
     /// The end of the last exchange (or the connection's start): the head timeout counts from it.
@@ -325,11 +328,13 @@ impl Conn {
         } else {
             HeaderMap::new()
         };
+        let client = client_ip(peer_ip, &map, &rt.trusted_proxies);
         let parts = RequestParts {
             method: &head.method,
             uri,
             headers: &map,
-            client_ip: client_ip(peer_ip, &map, &rt.trusted_proxies),
+            client_ip: client,
+            client_ip_text: (client == peer_ip).then_some(self.peer_text.as_bytes()),
             route: &route.name,
         };
         let request_id = rid.log(bytes);
@@ -627,8 +632,7 @@ impl Conn {
             _ => head::push_field(out, b"host", upstream.host.as_bytes()),
         }
         // The peer appended to what came in; several lines are one list (RFC 9110 §5.3).
-        let mut ip = [0; crate::key::IP_TEXT_MAX];
-        let peer_text = crate::key::ip_text(self.peer.ip(), &mut ip);
+        let peer_text = self.peer_text.as_bytes();
         out.extend_from_slice(b"x-forwarded-for: ");
         let first = xff.first().map(|r| &bytes[r.clone()]);
         if first.is_some_and(|v| visible(v).is_some_and(|s| !s.trim().is_empty())) {
