@@ -5,6 +5,7 @@
 #   bench/script.sh                    # ROUNDS=5 N=100000
 #   BASE=<git rev> bench/script.sh     # the same, next to the scripts as of that revision
 #   CALLGRIND=1 bench/script.sh        # instructions per EVALSHA instead (ROUNDS=1 N=20000)
+#   CALLGRIND=1 PARTS=1 bench/script.sh  # and what the pieces of a script cost (see PARTS below)
 #
 # A fleet of gateways shares one Redis (or one per cluster slot), so the CPU Redis spends per
 # EVALSHA is what bounds global decisions per second. For each algorithm this runs
@@ -52,6 +53,22 @@ if [[ -n "${BASE:-}" ]]; then
 fi
 VERSIONS+=(empty)
 echo "return 1" >"$TMP/empty.lua"
+# PARTS=1: the top level of gcra.lua and lib.lua with nothing after it (what every call of
+# refund.lua, peek.lua or a mixed decide.lua pays before its own work), and loops doing one
+# thing 10 times (a `redis.call`, a `tonumber` of an argument, a two-field table, a µs
+# timestamp through '%.0f' and through '%d'): (figure - empty) / 10 is one of them, the
+# loop's few bytecodes included.
+PARTS_10=()
+if [[ -n "${PARTS:-}" ]]; then
+    { cat "$REPO/$LUA/gcra.lua"; echo; cat "$REPO/$LUA/lib.lua"; echo; echo "return 1"; } >"$TMP/libtop.lua"
+    echo "for i = 1, 10 do redis.call('TIME') end return 1" >"$TMP/call10.lua"
+    echo "local x = 0 for i = 1, 10 do x = x + tonumber(ARGV[5]) end return 1" >"$TMP/num10.lua"
+    echo "local t for i = 1, 10 do t = { x = i, y = i } end return 1" >"$TMP/table10.lua"
+    echo "local s for i = 1, 10 do s = string.format('%.0f', 1795329886991672 + i) end return 1" >"$TMP/fmtf10.lua"
+    echo "local s for i = 1, 10 do s = string.format('%d', 1795329886991672 + i) end return 1" >"$TMP/fmtd10.lua"
+    PARTS_10=(call10 num10 table10 fmtf10 fmtd10)
+    VERSIONS+=(libtop "${PARTS_10[@]}")
+fi
 declare -A SHA
 for v in "${VERSIONS[@]}"; do SHA[$v]=$(cli -x script load <"$TMP/$v.lua"); done
 
@@ -66,7 +83,7 @@ declare -A US RPS
 for round in $(seq "$ROUNDS"); do
     for a in "${ALGOS[@]}"; do
         for v in "${VERSIONS[@]}"; do
-            [[ $v == empty && $a != gcra ]] && continue
+            [[ $v != here && $v != base && $a != gcra ]] && continue
             cli flushall >/dev/null
             cli config resetstat >/dev/null
             if [[ -n $CALLGRIND ]]; then
@@ -100,11 +117,20 @@ done
 median() { tr ' ' '\n' <<<"$1" | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
 echo
 echo "medians over $ROUNDS rounds (redis-server on core 0${CALLGRIND:+ under callgrind}, redis-benchmark -c 50${CALLGRIND:+ -P 16} on core 1, N=$N)"
-printf '%-16s %-6s %12s %12s\n' algorithm script "$UNIT/EVALSHA" "EVALSHA/s"
+printf '%-16s %-7s %12s %12s\n' algorithm script "$UNIT/EVALSHA" "EVALSHA/s"
 for a in "${ALGOS[@]}"; do
     for v in "${VERSIONS[@]}"; do
-        [[ $v == empty && $a != gcra ]] && continue
+        [[ $v != here && $v != base && $a != gcra ]] && continue
         label=$v; [[ $v == base ]] && label="$BASE"
-        printf '%-16s %-6s %12s %12.0f\n' "$a" "${label:0:6}" "$(median "${US[$a.$v]}")" "$(median "${RPS[$a.$v]}")"
+        printf '%-16s %-7s %12s %12.0f\n' "$a" "${label:0:7}" "$(median "${US[$a.$v]}")" "$(median "${RPS[$a.$v]}")"
     done
 done
+if [[ ${#PARTS_10[@]} -gt 0 ]]; then
+    empty=$(median "${US[gcra.empty]}")
+    echo
+    echo "one of each, (figure - empty) / 10, $UNIT:"
+    for v in "${PARTS_10[@]}"; do
+        awk -v v="$v" -v x="$(median "${US[gcra.$v]}")" -v e="$empty" 'BEGIN { printf "%-8s %10.0f\n", v, (x - e) / 10 }'
+    done
+    awk -v x="$(median "${US[gcra.libtop]}")" -v e="$empty" 'BEGIN { printf "gcra.lua + lib.lua top level: %.0f\n", x - e }'
+fi
