@@ -115,11 +115,10 @@ fn check(
         Ok(mut cfg) => {
             cfg.server.listen = listen.unwrap_or(cfg.server.listen);
             cfg.server.admin = admin.unwrap_or(cfg.server.admin);
-            if tollgate::config::same_port(cfg.server.listen, cfg.server.admin) {
-                eprintln!(
-                    "listen {} and admin {} would bind the same port: give them different ports",
-                    cfg.server.listen, cfg.server.admin
-                );
+            let (listen, admin) = (cfg.server.listen, cfg.server.admin);
+            if tollgate::config::same_port(listen, admin) {
+                // The words `run` would stop with on the same addresses.
+                eprintln!("{}", AppError::SamePort { listen, admin });
                 return ExitCode::FAILURE;
             }
             for w in &cfg.warnings {
