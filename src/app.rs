@@ -21,7 +21,7 @@ use crate::limit::clock::{SharedClock, TokioClock};
 use crate::limit::redis::GlobalLimit;
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, forward};
-use crate::runtime::Runtime;
+use crate::snapshot::ConfigSnapshot;
 
 /// How long start-up waits for a first answer from Redis before serving anyway.
 const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
@@ -103,7 +103,7 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// Reads the file again, builds a new runtime aside and swaps it in; on error the running
+    /// Reads the file again, builds a new snapshot aside and swaps it in; on error the running
     /// config stays and the failure is counted.
     pub async fn reload(&self) -> Result<(), ConfigError> {
         let _guard = self.reload_lock.lock().await;
@@ -119,10 +119,10 @@ impl Shared {
         match result {
             Ok(mut cfg) => {
                 log_warnings(&cfg);
-                let old = self.proxy.runtime.load_full();
+                let old = self.proxy.snapshot.load_full();
                 keep_listeners(&mut cfg, &old.config, &self.options);
-                let rt = Runtime::build(cfg, &self.proxy.metrics, Some(&old));
-                self.proxy.runtime.store(Arc::new(rt));
+                let rt = ConfigSnapshot::build(cfg, &self.proxy.metrics, Some(&old));
+                self.proxy.snapshot.store(Arc::new(rt));
                 self.proxy.metrics.reload(true);
                 tracing::info!(path = %path.display(), "config reloaded");
                 Ok(())
@@ -138,7 +138,7 @@ impl Shared {
     /// Ready when a config is loaded and, with `redis` set, Redis answers or `on_error: allow`
     /// lets the gateway decide without it.
     pub async fn readiness(&self) -> (bool, serde_json::Value) {
-        let rt = self.proxy.runtime.load_full();
+        let rt = self.proxy.snapshot.load_full();
         let up = match &rt.redis {
             // One PING within the command timeout: the probe answers what is true now, not
             // what the breaker concluded from the last requests.
@@ -166,7 +166,7 @@ impl Shared {
         key: &[u8],
     ) -> Result<(Snapshot, &'static str), String> {
         let now = self.proxy.clock.now();
-        let rt = self.proxy.runtime.load_full();
+        let rt = self.proxy.snapshot.load_full();
         // An eventual limit is decided here, on counts synced with Redis: its state is this
         // instance's view of them (what Redis holds may be ahead by the others' unsynced units).
         if let Some(ev) = &limit.eventual {
@@ -253,8 +253,8 @@ impl App {
             config.server.admin = a;
         }
         let metrics = Arc::new(Metrics::new());
-        let runtime = Runtime::build(config, &metrics, None);
-        if let Some(redis) = &runtime.redis {
+        let snapshot = ConfigSnapshot::build(config, &metrics, None);
+        if let Some(redis) = &snapshot.redis {
             // Give the pool a moment to connect so the first requests do not meet a cold
             // connection; a Redis that is down only delays start-up by this much.
             let deadline = tokio::time::Instant::now() + REDIS_STARTUP_WAIT;
@@ -264,7 +264,7 @@ impl App {
         }
         // TLS on the listener is decided at start-up (certificates are re-read on reload); the
         // upstream client's trust anchors too.
-        let server = &runtime.config.server;
+        let server = &snapshot.config.server;
         let client = forward::Client::new(server.upstream_ca.as_ref().map_or(&[], |ca| &ca.certs));
         let proto = if server.tls.is_some() {
             "https"
@@ -272,7 +272,7 @@ impl App {
             "http"
         };
         let proxy = Arc::new(Proxy {
-            runtime: ArcSwap::from_pointee(runtime),
+            snapshot: ArcSwap::from_pointee(snapshot),
             metrics,
             clock,
             client,
@@ -338,8 +338,8 @@ impl App {
                 }
             })
         };
-        let grace = shared.proxy.runtime.load().config.server.grace_period;
-        let left = crate::http::serve(
+        let grace = shared.proxy.snapshot.load().config.server.grace_period;
+        let left = crate::listener::serve(
             self.proxy_listener,
             shared.proxy.clone(),
             {
@@ -379,7 +379,7 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let rt = shared.proxy.runtime.load_full();
+        let rt = shared.proxy.snapshot.load_full();
         let now = shared.proxy.clock.now();
         let kept = rt.sweep(now);
         shared.proxy.metrics.set_local_keys(kept);
@@ -419,7 +419,7 @@ async fn sync_eventual(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiv
             _ = tick.tick() => false,
             _ = stop.wait_for(|s| *s) => true,
         };
-        let rt = shared.proxy.runtime.load_full();
+        let rt = shared.proxy.snapshot.load_full();
         let Some(redis) = &rt.redis else {
             if last {
                 return;

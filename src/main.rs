@@ -199,15 +199,12 @@ fn run(args: RunArgs) -> ExitCode {
     match rt.block_on(serve(args)) {
         Ok(()) => ExitCode::SUCCESS,
         // A bad file reads exactly as `tollgate check` reports it: `PATH:LINE:COL: message`.
-        Err(e)
-            if e.downcast_ref::<AppError>()
-                .is_some_and(|e| matches!(e, AppError::Config(_))) =>
-        {
-            fatal(format, &format!("{e:#}"));
+        Err(e @ AppError::Config(_)) => {
+            fatal(format, &e.to_string());
             ExitCode::FAILURE
         }
         Err(e) => {
-            fatal(format, &format!("tollgate: {e:#}"));
+            fatal(format, &format!("tollgate: {}", with_causes(&e)));
             ExitCode::FAILURE
         }
     }
@@ -230,7 +227,20 @@ fn runtime_builder() -> tokio::runtime::Builder {
     }
 }
 
-async fn serve(args: RunArgs) -> anyhow::Result<()> {
+/// An error and its causes on one line, `outer: cause: root`, as operators read it in one log
+/// line ("cannot listen on 0.0.0.0:80: Permission denied").
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
+async fn serve(args: RunArgs) -> Result<(), AppError> {
     let app = App::from_file(Options {
         config_path: Some(args.config.unwrap_or_else(default_config)),
         listen: args.listen,

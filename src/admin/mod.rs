@@ -37,7 +37,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
 }
 
 async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
-    let rt = shared.proxy.runtime.load();
+    let rt = shared.proxy.snapshot.load();
     if let Some(token) = &rt.config.server.admin_token {
         let ok = req
             .headers()
@@ -96,7 +96,7 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 async fn config(State(shared): State<Arc<Shared>>) -> Response {
-    let rt = shared.proxy.runtime.load();
+    let rt = shared.proxy.snapshot.load();
     Json(&*rt.config).into_response()
 }
 
@@ -107,7 +107,7 @@ async fn reload(State(shared): State<Arc<Shared>>) -> Response {
         Ok(()) => {
             let warnings: Vec<String> = shared
                 .proxy
-                .runtime
+                .snapshot
                 .load()
                 .config
                 .warnings
@@ -132,7 +132,7 @@ async fn limit_state(
     Path((route, limit)): Path<(String, String)>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let rt = shared.proxy.runtime.load_full();
+    let rt = shared.proxy.snapshot.load_full();
     let Some(r) = rt.routes.iter().find(|r| *r.name == *route) else {
         return not_found("no such route");
     };

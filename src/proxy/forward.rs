@@ -27,14 +27,14 @@ pub use self::client::{Client, UpstreamError};
 pub use self::pool::Host;
 use super::deadline::BodyDeadline;
 use super::{Body, Proxy, headers, response};
-use crate::runtime::{Route, Runtime, Upstream};
+use crate::snapshot::{ConfigSnapshot, Route, Upstream};
 
 pub async fn forward(
     proxy: &Proxy,
     route: &Route,
     mut req: Request<Incoming>,
     peer: SocketAddr,
-    rt: &Runtime,
+    rt: &ConfigSnapshot,
 ) -> Response<Body> {
     let order = route.upstream_order();
     // The client gets its own protocol version back, whatever the upstream spoke (an HTTP/1.0

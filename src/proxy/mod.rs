@@ -1,6 +1,6 @@
 //! The per-request service: route → limits → forward, and the answer when any step says no.
 //!
-//! [`Proxy::handle`] reads one [`Runtime`] snapshot for the whole request. Limits are decided
+//! [`Proxy::handle`] reads one [`ConfigSnapshot`] snapshot for the whole request. Limits are decided
 //! before a byte of the body is read; an admitted request's body streams to the upstream and the
 //! upstream's body streams back, neither buffered. Errors map to responses in one place each
 //! (see [`response`]).
@@ -30,14 +30,14 @@ use crate::limit::clock::SharedClock;
 use crate::limit::{Context, HeaderInfo, Verdict};
 use crate::metrics::{Histogram, Metrics};
 use crate::routing::{normalize_path, path_problem};
-use crate::runtime::{Route, Runtime};
+use crate::snapshot::{ConfigSnapshot, Route};
 
 /// The one body type for everything the proxy sends: upstream bodies and its own.
 pub type Body = BoxBody<Bytes, hyper::Error>;
 
 /// Everything a request needs, shared by all connections.
 pub struct Proxy {
-    pub runtime: ArcSwap<Runtime>,
+    pub snapshot: ArcSwap<ConfigSnapshot>,
     pub metrics: Arc<Metrics>,
     pub clock: SharedClock,
     pub client: forward::Client,
@@ -88,7 +88,7 @@ impl Proxy {
         if let Some(uri) = normalize_path(req.uri()) {
             *req.uri_mut() = uri;
         }
-        let rt = self.runtime.load_full();
+        let rt = self.snapshot.load_full();
         let refused = if req.method() == http::Method::CONNECT {
             Some(response::connect_not_allowed())
         } else if !headers::only_chunked(req.headers()) {
@@ -136,7 +136,7 @@ impl Proxy {
 
     async fn handle_route(
         &self,
-        rt: &Runtime,
+        rt: &ConfigSnapshot,
         route: &Route,
         req: Request<Incoming>,
         peer: SocketAddr,
@@ -192,7 +192,7 @@ impl Proxy {
     /// HTTP paths; the wait is the caller's, so each can notice a client leaving in its own way.
     pub(crate) async fn admit<'r>(
         &self,
-        rt: &Runtime,
+        rt: &ConfigSnapshot,
         route: &'r Route,
         parts: &RequestParts<'_>,
         request_id: request_id::LogId<'_>,

@@ -33,7 +33,7 @@ use tower::ServiceExt;
 
 use super::pool::{self, Host};
 use crate::proxy::Body;
-use crate::runtime::Upstream;
+use crate::snapshot::Upstream;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 type Pooled = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Body>;

@@ -11,7 +11,7 @@
 //! drive the upstream connection from the same task, and pass bodies through as the bytes they
 //! are (a chunked body stays chunked; its end is found by [`framing`]).
 //!
-//! What it does not do it leaves to the general path (`crate::http`, hyper), which stays the
+//! What it does not do it leaves to the general path (`crate::listener`, hyper), which stays the
 //! reference for every answer: TLS, HTTP/2 (h2c prior knowledge), HTTP/1.0 clients, protocol
 //! switches, `Expect`, ambiguous body lengths, absolute-form targets, oversized heads, routes with
 //! an `https://` upstream. Such a request is handed over with the connection: the general path
@@ -49,7 +49,7 @@ use crate::key::{RequestParts, client_ip};
 use crate::limit::HeaderInfo;
 use crate::metrics::RouteMetrics;
 use crate::routing::{normalize_path, path_problem};
-use crate::runtime::{Route, Runtime};
+use crate::snapshot::{ConfigSnapshot, Route};
 
 /// Waiting for a request head (idle keep-alive included), as the general path's
 /// `header_read_timeout`.
@@ -104,9 +104,9 @@ pub async fn serve(
         prefix,
         inner: conn.client,
     };
-    let c = crate::http::serve_one(&ctl.builder, TokioIo::new(io), proxy.clone(), peer);
+    let c = crate::listener::serve_one(&ctl.builder, TokioIo::new(io), proxy.clone(), peer);
     if let Err(e) = watcher.watch(c).await {
-        crate::http::ended_with(&proxy, peer, &*e);
+        crate::listener::ended_with(&proxy, peer, &*e);
     }
 }
 
@@ -245,7 +245,7 @@ impl Conn {
         };
         let normalized = normalize_path(&raw_uri);
         let uri = normalized.as_ref().unwrap_or(&raw_uri);
-        let rt = self.proxy.runtime.load_full();
+        let rt = self.proxy.snapshot.load_full();
         // `parse_request` checked it is a host (ASCII, no space or control byte).
         let host = head.host.clone().map(|r| &bytes[r]);
         let found = rt.table.find(&head.method, host, uri.path());
@@ -307,7 +307,7 @@ impl Conn {
     #[allow(clippy::too_many_arguments)]
     async fn route(
         &mut self,
-        rt: &Runtime,
+        rt: &ConfigSnapshot,
         route: &Route,
         head: &mut RequestHead,
         bytes: &Bytes,
@@ -578,7 +578,7 @@ impl Conn {
     fn write_upstream_head(
         &mut self,
         route: &Route,
-        upstream: &crate::runtime::Upstream,
+        upstream: &crate::snapshot::Upstream,
         head: &RequestHead,
         bytes: &Bytes,
         uri: &Uri,

@@ -2,12 +2,10 @@
 //! and are forwarded when it comes. Real time here, because when the forward happens is the
 //! behaviour under test.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::upstream::Upstream;
-use support::{Gateway, client, metric};
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client, metric};
 
 fn cfg(upstream: &str, max_waiters: usize) -> String {
     format!(

@@ -3,15 +3,15 @@
 //! calm failure and recovery. One server is shared by the tests that do not stop it; they use
 //! distinct route names, so their keys never meet.
 
-mod support;
+use crate::support;
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use crate::support::redis::{RedisCluster, RedisServer, command_calls};
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client, metric};
 use futures_util::future::join_all;
-use support::redis::{RedisCluster, RedisServer, command_calls};
-use support::upstream::Upstream;
-use support::{Gateway, client, metric};
 
 fn shared_redis() -> &'static RedisServer {
     static R: OnceLock<RedisServer> = OnceLock::new();

@@ -1,14 +1,14 @@
 //! End to end on real sockets: the gateway in process on port 0, real upstreams on loopback.
 //! Time-dependent limit behaviour runs on a manual clock, so nothing here sleeps for a window.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client, closed_addr, metric};
 use bytes::Bytes;
 use serde_json::Value;
-use support::upstream::Upstream;
-use support::{Gateway, client, closed_addr, metric};
 
 fn yaml(upstream: &str, routes: &str) -> String {
     format!(

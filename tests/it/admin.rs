@@ -1,13 +1,13 @@
 //! The admin listener: token, running config, one key's state, and the logs an operator reads.
 
-mod support;
+use crate::support;
 
 use std::io::Read;
 
+use crate::support::process::Proc;
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client};
 use serde_json::Value;
-use support::process::Proc;
-use support::upstream::Upstream;
-use support::{Gateway, client};
 
 fn cfg(upstream: &str, extra_server: &str) -> String {
     format!(

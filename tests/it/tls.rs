@@ -3,14 +3,12 @@
 //! failed handshakes, drain, certificate rotation on reload), and `tollgate check` on bad files.
 //! Certificates are made at test time.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::tls::{HttpsUpstream, Pki, get, https_client};
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, TempDir, client};
 use serde_json::Value;
-use support::tls::{HttpsUpstream, Pki, get, https_client};
-use support::upstream::Upstream;
-use support::{Gateway, TempDir, client};
 
 const H2_AND_H1: &[&[u8]] = &[b"h2", b"http/1.1"];
 const H1_ONLY: &[&[u8]] = &[b"http/1.1"];

@@ -2,13 +2,10 @@
 //! reloading after `SCRIPT FLUSH`, and the circuit breaker through an outage and a start
 //! with Redis down.
 
-#[path = "support/redis.rs"]
-mod redis_support;
-
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use redis_support::RedisServer;
+use crate::support::redis::RedisServer;
 use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, Snapshot,
 };

@@ -1,12 +1,9 @@
 //! RedisStore on a 3-primary Redis Cluster: a request whose limits live on different nodes
 //! is decided per slot and refunded when one rejects, so it stays all-or-nothing.
 
-#[path = "support/redis.rs"]
-mod redis_support;
-
 use std::time::Duration;
 
-use redis_support::{RedisCluster, command_calls};
+use crate::support::redis::{RedisCluster, command_calls};
 use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };

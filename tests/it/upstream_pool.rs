@@ -1,14 +1,14 @@
 //! Kept-alive connections to plain `http://` upstreams: reused while they are good, never handed
 //! out once the upstream has closed or announced closing them, and never reused mid-response.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use support::upstream::Upstream;
-use support::{Gateway, client};
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 

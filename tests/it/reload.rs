@@ -1,14 +1,14 @@
 //! Hot reload: file watch (rename-saves and symlink swaps), the admin API, state kept across
 //! reloads, bad files refused with the running config kept, and 100 reloads under load.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use support::upstream::Upstream;
-use support::{Gateway, client, metric};
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client, metric};
 
 fn cfg(upstream: &str, rate: &str) -> String {
     format!(
@@ -173,7 +173,7 @@ async fn a_kubernetes_style_symlink_swap_is_picked_up() {
     std::os::unix::fs::symlink("..v2", dir.path.join("..data_tmp")).unwrap();
     std::fs::rename(dir.path.join("..data_tmp"), dir.path.join("..data")).unwrap();
     wait_for(async || {
-        shared.proxy.runtime.load().config.routes[0].limits[0]
+        shared.proxy.snapshot.load().config.routes[0].limits[0]
             .rate
             .count
             == 50

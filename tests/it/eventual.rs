@@ -3,13 +3,11 @@
 //! (COUNT plus what the other instances admit within one interval) and the Redis commands per
 //! second against the request rate.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::redis::{RedisServer, command_calls};
-use support::upstream::Upstream;
-use support::{Gateway, client};
+use crate::support::redis::{RedisServer, command_calls};
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client};
 
 fn cfg(
     redis: &str,

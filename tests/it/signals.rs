@@ -1,13 +1,11 @@
 //! The binary under real signals: SIGHUP reloads; SIGTERM / SIGINT stop accepting, let
 //! in-flight requests finish, and exit 0.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::client;
-use support::process::Proc;
-use support::upstream::Upstream;
+use crate::support::client;
+use crate::support::process::Proc;
+use crate::support::upstream::Upstream;
 
 fn routes(upstream: &str, rate: &str) -> String {
     format!(

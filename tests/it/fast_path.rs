@@ -3,13 +3,13 @@
 //! body be read as a request), upstream bodies that end at close, and requests it leaves to the
 //! general path on the same connection.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
+use crate::support::upstream::Upstream;
+use crate::support::{Gateway, client};
 use serde_json::Value;
-use support::upstream::Upstream;
-use support::{Gateway, client};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

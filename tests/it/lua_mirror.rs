@@ -3,17 +3,14 @@
 //! algorithm, for reservations, and for requests with several limits (where a rejection
 //! must leave every key untouched).
 
-#[path = "support/redis.rs"]
-mod redis_support;
-
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::support::redis::RedisServer;
 use fred::prelude::{Builder, Client, ClientLike, Config, KeysInterface};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use redis_support::RedisServer;
 use tokio::runtime::Runtime;
 use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,

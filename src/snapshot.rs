@@ -1,9 +1,9 @@
 //! The running config: everything the request path reads, built aside and swapped in whole.
 //!
-//! A [`Runtime`] is built from a validated [`Config`] once per load or reload and published
+//! A [`ConfigSnapshot`] is built from a validated [`Config`] once per load or reload and published
 //! through an `ArcSwap`; a request loads it once and sees one consistent version for its whole
 //! life. Limiter stores and waiter counters of limits whose definition did not change are
-//! carried over from the previous runtime, so a reload does not hand every client a fresh budget.
+//! carried over from the previous snapshot, so a reload does not hand every client a fresh budget.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -150,7 +150,7 @@ impl Route {
 }
 
 #[derive(Debug)]
-pub struct Runtime {
+pub struct ConfigSnapshot {
     pub config: Arc<Config>,
     /// The Redis tier, when `redis` is configured; kept across reloads with the same settings.
     pub redis: Option<RedisStore>,
@@ -167,8 +167,8 @@ type Carried = HashMap<(String, String), (LimitConfig, Stores)>;
 /// A limit's state stores, carried over reloads together.
 type Stores = (Arc<LocalStore>, Arc<DenyCache>, Option<Arc<EventualStore>>);
 
-impl Runtime {
-    pub fn build(config: Config, metrics: &Metrics, previous: Option<&Runtime>) -> Self {
+impl ConfigSnapshot {
+    pub fn build(config: Config, metrics: &Metrics, previous: Option<&ConfigSnapshot>) -> Self {
         let mut carried: Carried = HashMap::new();
         let mut waiters: HashMap<String, Arc<AtomicUsize>> = HashMap::new();
         if let Some(prev) = previous {
@@ -297,7 +297,7 @@ mod tests {
     async fn an_upstream_marked_down_is_tried_after_the_others() {
         let yaml = "routes:\n  - name: r\n    upstream: [http://a:1, http://b:1, http://c:1]\n";
         let config = crate::config::parse_str(std::path::Path::new("t.yaml"), yaml).unwrap();
-        let rt = Runtime::build(config, &Metrics::new(), None);
+        let rt = ConfigSnapshot::build(config, &Metrics::new(), None);
         let route = &rt.routes[0];
         let names = |o: UpstreamOrder<'_>| -> Vec<String> {
             o.iter().map(|u| u.authority.host().to_owned()).collect()
@@ -384,8 +384,9 @@ mod tests {
     #[test]
     fn eventual_and_local_limits_on_one_route_admit_each_unit_once() {
         let metrics = Metrics::new();
-        let built = current_thread()
-            .block_on(async { Runtime::build(eventual_route(&["ev", "loc"]), &metrics, None) });
+        let built = current_thread().block_on(async {
+            ConfigSnapshot::build(eventual_route(&["ev", "loc"]), &metrics, None)
+        });
         let limits = &built.routes[0].limits;
         const KEYS: usize = 20_000;
         let uris: Vec<http::Uri> = (0..KEYS)
@@ -415,8 +416,9 @@ mod tests {
     fn opposite_eventual_limit_orders_across_a_reload_do_not_deadlock() {
         let metrics = Metrics::new();
         let (old, new) = current_thread().block_on(async {
-            let old = Runtime::build(eventual_route(&["ev1", "ev2", "loc"]), &metrics, None);
-            let new = Runtime::build(eventual_route(&["loc", "ev2", "ev1"]), &metrics, Some(&old));
+            let old = ConfigSnapshot::build(eventual_route(&["ev1", "ev2", "loc"]), &metrics, None);
+            let new =
+                ConfigSnapshot::build(eventual_route(&["loc", "ev2", "ev1"]), &metrics, Some(&old));
             (old, new)
         });
         let (o, n) = (&old.routes[0].limits.limits, &new.routes[0].limits.limits);

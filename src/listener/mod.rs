@@ -61,7 +61,7 @@ pub async fn serve(
     let builder = Arc::new(builder());
     let graceful = GracefulShutdown::new();
     let mut tls = proxy
-        .runtime
+        .snapshot
         .load()
         .config
         .server
@@ -90,7 +90,7 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Some(current) = &mut tls else {
-            if !proxy.runtime.load().config.server.fast_path {
+            if !proxy.snapshot.load().config.server.fast_path {
                 let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
                 let conn = graceful.watch(conn);
                 let proxy = proxy.clone();
@@ -110,7 +110,7 @@ pub async fn serve(
             ));
             continue;
         };
-        match &proxy.runtime.load().config.server.tls {
+        match &proxy.snapshot.load().config.server.tls {
             Some(t) => *current = t.server_config.clone(),
             None if !warned_tls_removed => {
                 warned_tls_removed = true;
@@ -213,7 +213,7 @@ pub(crate) fn ended_with(
         && h.is_parse()
     {
         let status = if h.is_parse_too_large() { 431 } else { 400 };
-        proxy.runtime.load().unmatched.request(status);
+        proxy.snapshot.load().unmatched.request(status);
     }
     tracing::debug!(error = %e, %peer, "connection ended with an error");
 }

@@ -1,0 +1,21 @@
+//! tollgate's integration tests, one binary: real sockets, real upstreams on loopback, the
+//! binary as operators run it, a real redis-server and a real 3-node Redis Cluster started on
+//! free ports by `support`. One binary links once instead of once per file (CI's disk and time).
+
+mod support;
+
+mod admin;
+mod cli;
+mod delay;
+mod eventual;
+mod fast_path;
+mod gateway;
+mod global;
+mod lua_mirror;
+mod packaging;
+mod redis_cluster;
+mod redis_store;
+mod reload;
+mod signals;
+mod tls;
+mod upstream_pool;
