@@ -15,12 +15,13 @@ use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 
 use crate::config::{self, Config, ConfigError, OnError, Scope};
+use crate::connector::Connector;
 use crate::limit::Limit;
 use crate::limit::algorithm::Snapshot;
 use crate::limit::clock::{SharedClock, TokioClock};
 use crate::limit::redis::GlobalLimit;
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, forward};
+use crate::proxy::Gateway;
 use crate::snapshot::ConfigSnapshot;
 
 /// How long start-up waits for a first answer from Redis before serving anyway.
@@ -93,7 +94,7 @@ fn keep_listeners(cfg: &mut Config, running: &Config, options: &Options) {
 
 /// State shared by the proxy, the admin API and the background tasks.
 pub struct Shared {
-    pub proxy: Arc<Proxy>,
+    pub gateway: Arc<Gateway>,
     pub options: Options,
     /// Serialises reloads (file watcher, SIGHUP and the admin API may race).
     reload_lock: Mutex<()>,
@@ -119,16 +120,21 @@ impl Shared {
         match result {
             Ok(mut cfg) => {
                 log_warnings(&cfg);
-                let old = self.proxy.snapshot.load_full();
+                let old = self.gateway.snapshot.load_full();
                 keep_listeners(&mut cfg, &old.config, &self.options);
-                let rt = ConfigSnapshot::build(cfg, &self.proxy.metrics, Some(&old));
-                self.proxy.snapshot.store(Arc::new(rt));
-                self.proxy.metrics.reload(true);
+                let rt = ConfigSnapshot::build(
+                    cfg,
+                    &self.gateway.metrics,
+                    &self.gateway.connector,
+                    Some(&old),
+                );
+                self.gateway.snapshot.store(Arc::new(rt));
+                self.gateway.metrics.reload(true);
                 tracing::info!(path = %path.display(), "config reloaded");
                 Ok(())
             }
             Err(e) => {
-                self.proxy.metrics.reload(false);
+                self.gateway.metrics.reload(false);
                 tracing::error!(error = %e, "config reload refused; the running config stays");
                 Err(e)
             }
@@ -138,7 +144,7 @@ impl Shared {
     /// Ready when a config is loaded and, with `redis` set, Redis answers or `on_error: allow`
     /// lets the gateway decide without it.
     pub async fn readiness(&self) -> (bool, serde_json::Value) {
-        let rt = self.proxy.snapshot.load_full();
+        let rt = self.gateway.snapshot.load_full();
         let up = match &rt.redis {
             // One PING within the command timeout: the probe answers what is true now, not
             // what the breaker concluded from the last requests.
@@ -165,8 +171,8 @@ impl Shared {
         limit: &Limit,
         key: &[u8],
     ) -> Result<(Snapshot, &'static str), String> {
-        let now = self.proxy.clock.now();
-        let rt = self.proxy.snapshot.load_full();
+        let now = self.gateway.clock.now();
+        let rt = self.gateway.snapshot.load_full();
         // An eventual limit is decided here, on counts synced with Redis: its state is this
         // instance's view of them (what Redis holds may be ahead by the others' unsynced units).
         if let Some(ev) = &limit.eventual {
@@ -253,7 +259,16 @@ impl App {
             config.server.admin = a;
         }
         let metrics = Arc::new(Metrics::new());
-        let snapshot = ConfigSnapshot::build(config, &metrics, None);
+        // The upstream connector's trust anchors are decided at start-up (certificates are
+        // re-read on reload), as TLS on the listener is.
+        let connector = Connector::new(
+            config
+                .server
+                .upstream_ca
+                .as_ref()
+                .map_or(&[], |ca| &ca.certs),
+        );
+        let snapshot = ConfigSnapshot::build(config, &metrics, &connector, None);
         if let Some(redis) = &snapshot.redis {
             // Give the pool a moment to connect so the first requests do not meet a cold
             // connection; a Redis that is down only delays start-up by this much.
@@ -262,26 +277,22 @@ impl App {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
-        // TLS on the listener is decided at start-up (certificates are re-read on reload); the
-        // upstream client's trust anchors too.
-        let server = &snapshot.config.server;
-        let client = forward::Client::new(server.upstream_ca.as_ref().map_or(&[], |ca| &ca.certs));
-        let proto = if server.tls.is_some() {
+        let proto = if snapshot.config.server.tls.is_some() {
             "https"
         } else {
             "http"
         };
-        let proxy = Arc::new(Proxy {
+        let gateway = Arc::new(Gateway {
             snapshot: ArcSwap::from_pointee(snapshot),
             metrics,
             clock,
-            client,
+            connector,
             proto,
             tunnels: Default::default(),
         });
         Ok(Self {
             shared: Arc::new(Shared {
-                proxy,
+                gateway,
                 options,
                 reload_lock: Mutex::new(()),
                 draining: Default::default(),
@@ -338,10 +349,10 @@ impl App {
                 }
             })
         };
-        let grace = shared.proxy.snapshot.load().config.server.grace_period;
+        let grace = shared.gateway.snapshot.load().config.server.grace_period;
         let left = crate::listener::serve(
             self.proxy_listener,
-            shared.proxy.clone(),
+            shared.gateway.clone(),
             {
                 let shared = shared.clone();
                 async move {
@@ -379,10 +390,10 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let rt = shared.proxy.snapshot.load_full();
-        let now = shared.proxy.clock.now();
+        let rt = shared.gateway.snapshot.load_full();
+        let now = shared.gateway.clock.now();
         let kept = rt.sweep(now);
-        shared.proxy.metrics.set_local_keys(kept);
+        shared.gateway.metrics.set_local_keys(kept);
     }
 }
 
@@ -419,14 +430,14 @@ async fn sync_eventual(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiv
             _ = tick.tick() => false,
             _ = stop.wait_for(|s| *s) => true,
         };
-        let rt = shared.proxy.snapshot.load_full();
+        let rt = shared.gateway.snapshot.load_full();
         let Some(redis) = &rt.redis else {
             if last {
                 return;
             }
             continue;
         };
-        let now = shared.proxy.clock.now();
+        let now = shared.gateway.clock.now();
         let due = rt
             .routes
             .iter()
@@ -457,10 +468,10 @@ async fn sync_limit(
     let items = ev.due(now);
     let calls = items
         .iter()
-        .map(|it| l.sync_eventual(redis, it, &*shared.proxy.clock));
+        .map(|it| l.sync_eventual(redis, it, &*shared.gateway.clock));
     for r in futures_util::future::join_all(calls).await {
         if let Err(e) = r {
-            shared.proxy.metrics.redis_error(e.kind());
+            shared.gateway.metrics.redis_error(e.kind());
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod admin;
 pub mod alloc;
 pub mod app;
 pub mod config;
+pub mod connector;
 pub mod key;
 pub mod limit;
 pub mod listener;

@@ -6,8 +6,8 @@
 //! carried over from the previous snapshot, so a reload does not hand every client a fresh budget.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::uri::{Authority, Scheme};
@@ -15,6 +15,7 @@ use http::{HeaderValue, Uri};
 use ipnet::IpNet;
 
 use crate::config::{Config, LimitConfig, OnError, RedisConfig, RedisTarget};
+use crate::connector::{Connector, Pools};
 use crate::limit::eventual::EventualStore;
 use crate::limit::local::LocalStore;
 use crate::limit::local::deny::DenyCache;
@@ -33,31 +34,12 @@ pub struct Upstream {
     /// `Host` for requests that do not keep the client's: the authority without a default port,
     /// as an HTTP client writes it.
     pub host: HeaderValue,
-    /// The kept-alive connections of a plain `http://` upstream, looked up in the client's
-    /// table on first use; upstreams with the same authority share one across reloads.
-    pub pool: OnceLock<Arc<crate::proxy::forward::Host>>,
-    /// The same for the fast HTTP/1.1 path's raw connections.
-    pub raw: OnceLock<Arc<crate::proxy::h1::upstream::Pool>>,
-    /// Until when (ms on [`millis`]'s clock) this upstream counts as down: it refused a
-    /// connection, and the others of its route are tried first until then.
-    down_until: Arc<AtomicU64>,
-}
-
-/// How long an upstream that refused a connection is tried after its route's others: nginx's
-/// `max_fails=1 fail_timeout=10s` default.
-pub const FAIL_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Milliseconds since the first call: a clock for the down marks, cheap to compare.
-fn millis() -> u64 {
-    static START: OnceLock<std::time::Instant> = OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
+    /// The connector's pools for this authority (taken once, when the snapshot is built).
+    pub pools: Arc<Pools>,
 }
 
 impl Upstream {
-    fn new(uri: &Uri) -> Self {
+    fn new(uri: &Uri, connector: &Connector) -> Self {
         let base = uri.path().trim_end_matches('/');
         let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
         let authority = uri
@@ -73,24 +55,15 @@ impl Upstream {
             host: HeaderValue::from_str(&host)
                 .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
             scheme,
+            pools: connector.pools(&authority),
             authority,
             base_path: base.to_owned(),
-            pool: OnceLock::new(),
-            raw: OnceLock::new(),
-            down_until: Arc::default(),
         }
     }
 
     /// Notes that a connection to this upstream failed (nothing was sent).
     pub fn mark_down(&self) {
-        self.down_until.store(
-            millis() + FAIL_TIMEOUT.as_millis() as u64,
-            Ordering::Relaxed,
-        );
-    }
-
-    fn is_down(&self, now: u64) -> bool {
-        self.down_until.load(Ordering::Relaxed) > now
+        self.pools.mark_down();
     }
 
     /// The upstream URI for a request's path and query.
@@ -126,7 +99,7 @@ pub struct Route {
 
 impl Route {
     /// The upstreams to try for one request, in order: round-robin's pick, then the route's
-    /// others after it; those marked down (a refused connection in the last [`FAIL_TIMEOUT`])
+    /// others after it; those marked down (a refused connection in the last [`crate::connector::FAIL_TIMEOUT`])
     /// after every other. A request goes on to the next only when it could not connect, so
     /// nothing of it was sent (nginx's `proxy_next_upstream error`).
     pub fn upstream_order(&self) -> UpstreamOrder<'_> {
@@ -137,12 +110,25 @@ impl Route {
             return order;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let now = millis();
+        let down: smallvec::SmallVec<[bool; 4]> =
+            self.upstreams.iter().map(|u| u.pools.is_down()).collect();
         // Round-robin over the upstreams that are up, so their shares stay even while one is
         // down; then the down ones.
-        order.extend(self.upstreams.iter().filter(|u| !u.is_down(now)));
+        order.extend(
+            self.upstreams
+                .iter()
+                .zip(&down)
+                .filter(|(_, d)| !**d)
+                .map(|(u, _)| u),
+        );
         let up = order.len();
-        order.extend(self.upstreams.iter().filter(|u| u.is_down(now)));
+        order.extend(
+            self.upstreams
+                .iter()
+                .zip(&down)
+                .filter(|(_, d)| **d)
+                .map(|(u, _)| u),
+        );
         let ring = if up > 0 { up } else { n };
         order[..ring].rotate_left(turn % ring);
         order
@@ -168,7 +154,12 @@ type Carried = HashMap<(String, String), (LimitConfig, Stores)>;
 type Stores = (Arc<LocalStore>, Arc<DenyCache>, Option<Arc<EventualStore>>);
 
 impl ConfigSnapshot {
-    pub fn build(config: Config, metrics: &Metrics, previous: Option<&ConfigSnapshot>) -> Self {
+    pub fn build(
+        config: Config,
+        metrics: &Metrics,
+        connector: &Connector,
+        previous: Option<&ConfigSnapshot>,
+    ) -> Self {
         let mut carried: Carried = HashMap::new();
         let mut waiters: HashMap<String, Arc<AtomicUsize>> = HashMap::new();
         if let Some(prev) = previous {
@@ -229,7 +220,11 @@ impl ConfigSnapshot {
                     .collect();
                 Route {
                     name: rc.name.as_str().into(),
-                    upstreams: rc.upstreams.iter().map(Upstream::new).collect(),
+                    upstreams: rc
+                        .upstreams
+                        .iter()
+                        .map(|u| Upstream::new(u, connector))
+                        .collect(),
                     next: AtomicUsize::new(0),
                     timeout: rc.timeout,
                     preserve_host: rc.preserve_host,
@@ -297,7 +292,7 @@ mod tests {
     async fn an_upstream_marked_down_is_tried_after_the_others() {
         let yaml = "routes:\n  - name: r\n    upstream: [http://a:1, http://b:1, http://c:1]\n";
         let config = crate::config::parse_str(std::path::Path::new("t.yaml"), yaml).unwrap();
-        let rt = ConfigSnapshot::build(config, &Metrics::new(), None);
+        let rt = ConfigSnapshot::build(config, &Metrics::new(), &Connector::new(&[]), None);
         let route = &rt.routes[0];
         let names = |o: UpstreamOrder<'_>| -> Vec<String> {
             o.iter().map(|u| u.authority.host().to_owned()).collect()
@@ -385,7 +380,12 @@ mod tests {
     fn eventual_and_local_limits_on_one_route_admit_each_unit_once() {
         let metrics = Metrics::new();
         let built = current_thread().block_on(async {
-            ConfigSnapshot::build(eventual_route(&["ev", "loc"]), &metrics, None)
+            ConfigSnapshot::build(
+                eventual_route(&["ev", "loc"]),
+                &metrics,
+                &Connector::new(&[]),
+                None,
+            )
         });
         let limits = &built.routes[0].limits;
         const KEYS: usize = 20_000;
@@ -416,9 +416,18 @@ mod tests {
     fn opposite_eventual_limit_orders_across_a_reload_do_not_deadlock() {
         let metrics = Metrics::new();
         let (old, new) = current_thread().block_on(async {
-            let old = ConfigSnapshot::build(eventual_route(&["ev1", "ev2", "loc"]), &metrics, None);
-            let new =
-                ConfigSnapshot::build(eventual_route(&["loc", "ev2", "ev1"]), &metrics, Some(&old));
+            let old = ConfigSnapshot::build(
+                eventual_route(&["ev1", "ev2", "loc"]),
+                &metrics,
+                &Connector::new(&[]),
+                None,
+            );
+            let new = ConfigSnapshot::build(
+                eventual_route(&["loc", "ev2", "ev1"]),
+                &metrics,
+                &Connector::new(&[]),
+                Some(&old),
+            );
             (old, new)
         });
         let (o, n) = (&old.routes[0].limits.limits, &new.routes[0].limits.limits);

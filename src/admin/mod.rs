@@ -37,7 +37,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
 }
 
 async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
-    let rt = shared.proxy.snapshot.load();
+    let rt = shared.gateway.snapshot.load();
     if let Some(token) = &rt.config.server.admin_token {
         let ok = req
             .headers()
@@ -71,7 +71,7 @@ async fn metrics(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Respo
         .iter()
         .filter_map(|v| v.to_str().ok());
     let format = Format::negotiate(accept);
-    let body = shared.proxy.metrics.encode(format);
+    let body = shared.gateway.metrics.encode(format);
     (
         [
             (
@@ -96,7 +96,7 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 async fn config(State(shared): State<Arc<Shared>>) -> Response {
-    let rt = shared.proxy.snapshot.load();
+    let rt = shared.gateway.snapshot.load();
     Json(&*rt.config).into_response()
 }
 
@@ -106,7 +106,7 @@ async fn reload(State(shared): State<Arc<Shared>>) -> Response {
         // `check` prints them: whoever reloads sees them without reading the log.
         Ok(()) => {
             let warnings: Vec<String> = shared
-                .proxy
+                .gateway
                 .snapshot
                 .load()
                 .config
@@ -132,7 +132,7 @@ async fn limit_state(
     Path((route, limit)): Path<(String, String)>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let rt = shared.proxy.snapshot.load_full();
+    let rt = shared.gateway.snapshot.load_full();
     let Some(r) = rt.routes.iter().find(|r| *r.name == *route) else {
         return not_found("no such route");
     };

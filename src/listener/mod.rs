@@ -18,7 +18,7 @@ use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 
-use crate::proxy::Proxy;
+use crate::proxy::Gateway;
 
 /// A client that has not finished its TLS handshake by then is dropped.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,13 +54,13 @@ pub fn builder() -> auto::Builder<TokioExecutor> {
 /// rotates the certificate without a restart; turning TLS on or off needs one.
 pub async fn serve(
     listener: TcpListener,
-    proxy: Arc<Proxy>,
+    gateway: Arc<Gateway>,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) -> usize {
     let builder = Arc::new(builder());
     let graceful = GracefulShutdown::new();
-    let mut tls = proxy
+    let mut tls = gateway
         .snapshot
         .load()
         .config
@@ -70,7 +70,7 @@ pub async fn serve(
         .map(|t| t.server_config.clone());
     let mut warned_tls_removed = false;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let plain = crate::proxy::h1::Control {
+    let plain = crate::proxy::codec::h1::Control {
         builder: builder.clone(),
         stop: stopped,
     };
@@ -90,19 +90,19 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let Some(current) = &mut tls else {
-            if !proxy.snapshot.load().config.server.fast_path {
-                let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
+            if !gateway.snapshot.load().config.server.fast_path {
+                let conn = serve_one(&builder, TokioIo::new(stream), gateway.clone(), peer);
                 let conn = graceful.watch(conn);
-                let proxy = proxy.clone();
+                let gateway = gateway.clone();
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
-                        ended_with(&proxy, peer, &*e);
+                        ended_with(&gateway, peer, &*e);
                     }
                 });
                 continue;
             }
-            tokio::spawn(crate::proxy::h1::serve(
-                proxy.clone(),
+            tokio::spawn(crate::proxy::codec::h1::serve(
+                gateway.clone(),
                 stream,
                 peer,
                 plain.clone(),
@@ -110,7 +110,7 @@ pub async fn serve(
             ));
             continue;
         };
-        match &proxy.snapshot.load().config.server.tls {
+        match &gateway.snapshot.load().config.server.tls {
             Some(t) => *current = t.server_config.clone(),
             None if !warned_tls_removed => {
                 warned_tls_removed = true;
@@ -125,7 +125,7 @@ pub async fn serve(
             acceptor,
             stream,
             builder.clone(),
-            proxy.clone(),
+            gateway.clone(),
             peer,
             graceful.watcher(),
         ));
@@ -135,7 +135,7 @@ pub async fn serve(
     // include them) and close on this signal.
     let _ = stop.send(true);
     let open = graceful.count();
-    let tunnels = &proxy.tunnels;
+    let tunnels = &gateway.tunnels;
     tracing::info!(open, upgraded = tunnels.count(), "draining connections");
     let drained = async {
         graceful.shutdown().await;
@@ -160,7 +160,7 @@ pub async fn serve(
 pub(crate) fn serve_one<I>(
     builder: &auto::Builder<TokioExecutor>,
     io: I,
-    proxy: Arc<Proxy>,
+    gateway: Arc<Gateway>,
     peer: SocketAddr,
 ) -> impl hyper_util::server::graceful::GracefulConnection<
     Output = Result<(), Box<dyn std::error::Error + Send + Sync>>,
@@ -169,7 +169,8 @@ pub(crate) fn serve_one<I>(
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let svc = service_fn(move |req| proxy.clone().serve(req, peer));
+    let svc =
+        service_fn(move |req| crate::proxy::codec::general::serve(gateway.clone(), req, peer));
     builder.serve_connection_with_upgrades(io, svc).into_owned()
 }
 
@@ -179,7 +180,7 @@ async fn serve_tls(
     acceptor: TlsAcceptor,
     stream: TcpStream,
     builder: Arc<auto::Builder<TokioExecutor>>,
-    proxy: Arc<Proxy>,
+    gateway: Arc<Gateway>,
     peer: SocketAddr,
     watcher: Watcher,
 ) {
@@ -194,9 +195,9 @@ async fn serve_tls(
             return;
         }
     };
-    let conn = serve_one(&builder, TokioIo::new(stream), proxy.clone(), peer);
+    let conn = serve_one(&builder, TokioIo::new(stream), gateway.clone(), peer);
     if let Err(e) = watcher.watch(conn).await {
-        ended_with(&proxy, peer, &*e);
+        ended_with(&gateway, peer, &*e);
     }
 }
 
@@ -205,7 +206,7 @@ async fn serve_tls(
 /// `_unmatched` as tollgate's own unroutable answers are, so `tollgate_requests_total` holds
 /// every answer given.
 pub(crate) fn ended_with(
-    proxy: &Proxy,
+    gateway: &Gateway,
     peer: SocketAddr,
     e: &(dyn std::error::Error + Send + Sync + 'static),
 ) {
@@ -213,7 +214,7 @@ pub(crate) fn ended_with(
         && h.is_parse()
     {
         let status = if h.is_parse_too_large() { 431 } else { 400 };
-        proxy.snapshot.load().unmatched.request(status);
+        gateway.snapshot.load().unmatched.request(status);
     }
     tracing::debug!(error = %e, %peer, "connection ended with an error");
 }

@@ -7,9 +7,6 @@
 //! exchange: no response head by then is a 504, and a body still coming then is cut (see
 //! [`super::deadline`]).
 
-mod client;
-pub(crate) mod pool;
-
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,20 +20,27 @@ use http::{HeaderValue, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-pub use self::client::{Client, UpstreamError};
-pub use self::pool::Host;
 use super::deadline::BodyDeadline;
-use super::{Body, Proxy, headers, response};
+use super::error::ProxyError;
+use super::forwarding::{self, RequestRule, ResponseRule};
+use super::headers::{self, MapEdit};
+use super::pipeline::Tries;
+use super::{Body, Gateway};
+use crate::connector::http1::SendError;
+use crate::limit::HeaderInfo;
 use crate::snapshot::{ConfigSnapshot, Route, Upstream};
 
+/// Phase 4 on the hyper codec: the request rewritten by the header rules, sent to the route's
+/// upstreams in order, and the response head filtered back by the response rule.
 pub async fn forward(
-    proxy: &Proxy,
+    gateway: &Gateway,
     route: &Route,
     mut req: Request<Incoming>,
     peer: SocketAddr,
     rt: &ConfigSnapshot,
-) -> Response<Body> {
-    let order = route.upstream_order();
+    id: &HeaderValue,
+    info: Option<HeaderInfo>,
+) -> Result<Response<Body>, ProxyError> {
     // The client gets its own protocol version back, whatever the upstream spoke (an HTTP/1.0
     // upstream must not turn a keep-alive HTTP/1.1 client connection into a closing one).
     let client_version = req.version();
@@ -49,22 +53,28 @@ pub async fn forward(
         .ok()
         .flatten()
         .and_then(|h| HeaderValue::from_str(h).ok());
-    headers::strip_hop_by_hop(&mut parts.headers, upgrade);
-    let peer_trusted = rt
-        .trusted_proxies
-        .iter()
-        .any(|n| n.contains(&peer.ip().to_canonical()));
-    headers::set_forwarded(
-        &mut parts.headers,
-        peer.ip(),
-        peer_trusted,
-        proxy.proto,
-        client_host.as_ref(),
-    );
     let keep_host = route.preserve_host && client_host.is_some();
-    if let (true, Some(h)) = (keep_host, client_host) {
-        parts.headers.insert(HOST, h);
-    }
+    let mut peer_text = [0; crate::key::IP_TEXT_MAX];
+    let rule = RequestRule {
+        trusted: rt
+            .trusted_proxies
+            .iter()
+            .any(|n| n.contains(&peer.ip().to_canonical())),
+        proto: gateway.proto,
+        peer: crate::key::ip_text(peer.ip(), &mut peer_text),
+        client_host: client_host.as_ref().map(HeaderValue::as_bytes),
+        // Otherwise set for each upstream tried (see `aim`).
+        host: client_host
+            .as_ref()
+            .filter(|_| keep_host)
+            .map(HeaderValue::as_bytes),
+        // `request_id::ensure` put the exchange's id in the request already.
+        own_request_id: None,
+        upgrade,
+    };
+    let mut edit = MapEdit::default();
+    forwarding::upstream_request(&parts.headers, &rule, &mut edit);
+    edit.apply(&mut parts.headers);
     let client_uri = std::mem::take(&mut parts.uri);
     parts.version = Version::HTTP_11;
     // Only a body that is coming can fail; an empty one costs nothing to watch.
@@ -78,107 +88,97 @@ pub async fn forward(
         }
         .boxed()
     };
-    let mut upstream_req = Request::from_parts(parts, body);
+    let mut pending = Some(Request::from_parts(parts, body));
 
     let started = Instant::now();
     let deadline = tokio::time::Instant::from_std(started) + route.timeout;
-    // Put on the response: the route's timeout also bounds its body (see `proxy::deadline`).
-    let body_deadline = || BodyDeadline {
-        at: deadline,
-        route: route.name.clone(),
-    };
-    let mut result = None;
-    for (i, upstream) in order.iter().enumerate() {
+    let mut tries = Tries::new(route, started);
+    let mut done = None;
+    while let Some(upstream) = tries.next_upstream() {
+        let Some(mut req) = pending.take() else {
+            break;
+        };
         // Plain HTTP/1.1 without a protocol switch: the common case, on the upstream's own
         // pool. (CONNECT never gets here: it is refused before routing.)
         let plain = !upgrade && upstream.scheme == Scheme::HTTP;
-        if aim(&mut upstream_req, upstream, &client_uri, plain, keep_host).is_err() {
-            return response::bad_request("request target cannot be forwarded");
+        if aim(&mut req, upstream, &client_uri, plain, keep_host).is_err() {
+            done = Some(Err(ProxyError::BadRequest(
+                "request target cannot be forwarded",
+            )));
+            break;
         }
         if !plain {
             // Boxed: TLS, HTTP/2 and upgrades keep their larger state out of the common path's
             // future. The request is consumed here: no other upstream is tried after it.
-            let sent = Box::pin(proxy.client.request(upstream_req, client_upgrade.is_some()));
-            result = Some(
-                tokio::time::timeout_at(deadline, sent)
-                    .await
-                    .map(|r| r.map(Exchange::Other)),
-            );
+            let sent = Box::pin(gateway.connector.request(req, upgrade));
+            done = Some(match tokio::time::timeout_at(deadline, sent).await {
+                Ok(Ok(resp)) => Ok(Exchange::Other(resp)),
+                Ok(Err(e)) => Err(ProxyError::Upstream(Box::new(e))),
+                Err(_) => Err(ProxyError::UpstreamTimeout),
+            });
             break;
         }
-        let sent = proxy.client.send_plain(upstream, upstream_req, started);
-        match tokio::time::timeout_at(deadline, sent).await {
-            Ok(Err(pool::SendError::Connect(e, back))) => {
-                upstream.mark_down();
-                if i + 1 == order.len() {
-                    result = Some(Ok(Err(e)));
-                    break;
-                }
-                tracing::warn!(route = %route.name, upstream = %upstream.authority, error = %e, "upstream refused the connection: trying the next");
-                upstream_req = *back;
+        let sent = gateway.connector.send_plain(&upstream.pools, req, started);
+        done = Some(match tokio::time::timeout_at(deadline, sent).await {
+            Ok(Ok(resp)) => Ok(Exchange::Plain(resp)),
+            Ok(Err(SendError::Connect(e, back))) => {
+                pending = Some(*back);
+                tries.refused(upstream, Box::new(e));
+                continue;
             }
-            r => {
-                result = Some(r.map(|r| match r {
-                    Ok(resp) => Ok(Exchange::Plain(resp)),
-                    Err(pool::SendError::Sent(e) | pool::SendError::Connect(e, _)) => Err(e),
-                }));
-                break;
-            }
-        }
+            Ok(Err(SendError::Sent(e))) => Err(ProxyError::Upstream(Box::new(e))),
+            Err(_) => Err(ProxyError::UpstreamTimeout),
+        });
+        break;
     }
-    route.metrics.upstream_duration.observe(started.elapsed());
-    let Some(result) = result else {
-        return response::bad_gateway(&route.name);
+    let sent = tries.outcome(done);
+    let exchanged = match sent {
+        // The client sent a body it could not finish (a malformed chunk): its fault, not the
+        // upstream's, and answered as the fast codec answers it.
+        Err(ProxyError::Upstream(e)) if client_body_failed.load(Ordering::Relaxed) => {
+            tracing::debug!(route = %route.name, error = %e, "malformed request body");
+            return Err(ProxyError::BadRequest("malformed request body"));
+        }
+        r => r?,
     };
-    match result {
-        // A protocol switch the client did not ask for: nothing can be relayed after it (the
-        // fast path answers the same).
-        Ok(Ok(ref e))
-            if e.status() == http::StatusCode::SWITCHING_PROTOCOLS && client_upgrade.is_none() =>
-        {
-            tracing::warn!(route = %route.name, "upstream switched protocols unasked");
-            response::bad_gateway(&route.name)
-        }
-        Ok(Ok(Exchange::Plain(mut resp))) => {
-            headers::strip_hop_by_hop(resp.headers_mut(), false);
-            *resp.version_mut() = client_version;
-            resp.extensions_mut().insert(body_deadline());
-            resp
-        }
-        Ok(Ok(Exchange::Other(mut resp))) => {
-            let switched = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+    // A protocol switch the client did not ask for: nothing can be relayed after it.
+    let switched = exchanged.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+    if switched && client_upgrade.is_none() {
+        return Err(ProxyError::SwitchedUnasked);
+    }
+    let (mut parts, body) = match exchanged {
+        Exchange::Plain(resp) => resp.into_parts(),
+        Exchange::Other(mut resp) => {
             if let (true, Some(client_upgrade)) = (switched, client_upgrade) {
                 let upstream_upgrade = hyper::upgrade::on(&mut resp);
-                let open = proxy.tunnels.open();
+                let open = gateway.tunnels.open();
                 let route = route.name.clone();
                 tokio::spawn(async move {
                     tunnel(client_upgrade, upstream_upgrade, route).await;
                     drop(open);
                 });
             }
-            let (mut parts, body) = resp.into_parts();
-            headers::strip_hop_by_hop(&mut parts.headers, switched);
-            parts.version = client_version;
-            if !switched {
-                parts.extensions.insert(body_deadline());
-            }
-            Response::from_parts(parts, body.boxed())
+            let (parts, body) = resp.into_parts();
+            (parts, body.boxed())
         }
-        // The client sent a body it could not finish (a malformed chunk): its fault, not the
-        // upstream's, and answered as the fast path answers it.
-        Ok(Err(e)) if client_body_failed.load(Ordering::Relaxed) => {
-            tracing::debug!(route = %route.name, error = %e, "malformed request body");
-            response::bad_request("malformed request body")
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(route = %route.name, error = %e, "upstream request failed");
-            response::bad_gateway(&route.name)
-        }
-        Err(_) => {
-            tracing::warn!(route = %route.name, timeout = ?route.timeout, "upstream timed out");
-            response::gateway_timeout(&route.name)
-        }
+    };
+    let rule = ResponseRule {
+        request_id: id.as_bytes(),
+        ratelimit: info.as_ref().map(|i| (&route.limits.limits[i.limit], i)),
+        switched,
+    };
+    let mut edit = MapEdit::default();
+    forwarding::client_response(&parts.headers, &rule, &mut edit);
+    edit.apply(&mut parts.headers);
+    parts.version = client_version;
+    if !switched {
+        // The route's timeout also bounds the body (see `proxy::deadline`).
+        parts.extensions.insert(BodyDeadline {
+            at: deadline,
+            route: route.name.clone(),
+        });
     }
+    Ok(Response::from_parts(parts, body))
 }
 
 /// Points the request at `upstream`: its target (origin form on the plain pool, absolute for

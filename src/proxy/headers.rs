@@ -1,32 +1,105 @@
-//! Header rewriting between client and upstream: hop-by-hop removal (RFC 9110 §7.6.1) and the
-//! `X-Forwarded-*` fields.
+//! The hyper codec's side of the header rules: a `HeaderMap` viewed and edited in place by the
+//! rules of [`super::forwarding`], the framing fields put right for hyper to frame the message
+//! again, and the checks of a request head hyper leaves to its user (`Host`, codings, upgrades).
 
-use std::net::IpAddr;
-
-use http::header::{
-    CONNECTION, CONTENT_LENGTH, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER,
-    TRANSFER_ENCODING, UPGRADE,
-};
+use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING, UPGRADE};
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-/// Connection-specific fields that never cross a proxy, besides those `Connection` names.
-/// Typed names: a `&str` name is parsed again on every lookup, and this runs twice per request.
-static HOP_BY_HOP: [HeaderName; 9] = [
-    CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    TE,
-    TRAILER,
-    TRANSFER_ENCODING,
-    UPGRADE,
-    PROXY_AUTHORIZATION,
-    // Only meaningful on responses from a proxy, but hop-by-hop all the same.
-    PROXY_AUTHENTICATE,
-];
+use super::fields::{Name, classify};
+use super::forwarding::{HeadView, HeadWriter};
 
-static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
-static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+impl HeadView for HeaderMap {
+    type Handle = HeaderName;
+
+    fn each<'a>(&'a self, mut f: impl FnMut(&'a HeaderName, Name, &'a [u8], &'a [u8])) {
+        for (name, value) in self {
+            f(
+                name,
+                classify(name.as_str().as_bytes()),
+                name.as_str().as_bytes(),
+                value.as_bytes(),
+            );
+        }
+    }
+
+    fn named_by_connection(&self, name: &[u8]) -> bool {
+        self.get_all(CONNECTION).iter().any(|v| {
+            v.as_bytes()
+                .split(|b| *b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
+        })
+    }
+}
+
+/// The rules' decisions on a `HeaderMap`, applied by [`MapEdit::apply`] once they are all in:
+/// fields to drop (by name: a rule decides by name, so all lines of one name alike), fields to
+/// add, and whether the message came chunked.
+#[derive(Default)]
+pub struct MapEdit {
+    dropped: smallvec::SmallVec<[HeaderName; 4]>,
+    added: smallvec::SmallVec<[(&'static HeaderName, HeaderValue); 6]>,
+    chunked: bool,
+}
+
+impl HeadWriter<HeaderName> for MapEdit {
+    fn pass(&mut self, _: &HeaderName, _: Name, _: &[u8], _: &[u8]) {}
+
+    fn drop_field(&mut self, field: &HeaderName) {
+        if !self.dropped.contains(field) {
+            self.dropped.push(field.clone());
+        }
+    }
+
+    fn framing(&mut self, _: &HeaderName, kind: Name, _: &[u8]) {
+        self.chunked |= kind == Name::TransferEncoding;
+    }
+
+    fn add(&mut self, name: &'static HeaderName, value: &[u8]) {
+        if let Ok(v) = HeaderValue::from_bytes(value) {
+            self.added.push((name, v));
+        }
+    }
+
+    fn add_list(&mut self, name: &'static HeaderName, parts: &[&[u8]]) {
+        let mut v = Vec::with_capacity(parts.iter().map(|p| p.len() + 2).sum());
+        for (i, p) in parts.iter().enumerate() {
+            if i > 0 {
+                v.extend_from_slice(b", ");
+            }
+            v.extend_from_slice(p);
+        }
+        self.add_with(name, |out| *out = v);
+    }
+
+    fn add_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
+        let mut v = Vec::new();
+        write(&mut v);
+        if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(v)) {
+            self.added.push((name, v));
+        }
+    }
+}
+
+impl MapEdit {
+    /// Applies the decisions. RFC 9112 §6.3: a message with both framings is framed by
+    /// `Transfer-Encoding`, and a proxy must drop the `Content-Length` before passing it on
+    /// (hyper decodes the chunks but keeps the field; re-sent as the length, it cut the body
+    /// short). hyper frames the body again on the way out, so `Transfer-Encoding` goes too.
+    pub fn apply(self, h: &mut HeaderMap) {
+        for n in &self.dropped {
+            h.remove(n);
+        }
+        h.remove(TRANSFER_ENCODING);
+        if self.chunked {
+            h.remove(CONTENT_LENGTH);
+        } else {
+            single_length(h);
+        }
+        for (name, value) in self.added {
+            h.append(name, value);
+        }
+    }
+}
 
 /// `Content-Length: 5, 5` (or two fields of 5), which hyper reads as 5, is passed on as the one
 /// `5` it means: as a list it breaks HTTP/2 clients (a malformed length) and strict HTTP/1.1
@@ -103,82 +176,6 @@ pub fn underscore_lookalike(name: &[u8]) -> bool {
                     a == b.to_ascii_lowercase()
                 })
         })
-}
-
-/// Removes the hop-by-hop fields, including every field the `Connection` header names.
-/// `keep_upgrade`: an upgrade being passed through keeps `Connection: upgrade` and `Upgrade`.
-pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: bool) {
-    // Before `Connection` can name it away: the framing the message came in, not what is left.
-    let chunked_framing = h.contains_key(TRANSFER_ENCODING);
-    if h.contains_key(CONNECTION) {
-        let named: Vec<HeaderName> = h
-            .get_all(CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-            .filter(|n| !(keep_upgrade && *n == UPGRADE))
-            .collect();
-        for n in named {
-            h.remove(n);
-        }
-    }
-    // Most messages carry none or one of them: one pass over the names present (comparing a
-    // standard name is comparing a number) instead of a hashed removal for each of the nine.
-    // The same pass finds `_` spellings of framing and forwarding fields (standard names never
-    // hold `_`; custom ones rarely do, and only those are compared).
-    let mut present: smallvec::SmallVec<[&'static HeaderName; 4]> = smallvec::SmallVec::new();
-    let mut lookalikes: smallvec::SmallVec<[HeaderName; 1]> = smallvec::SmallVec::new();
-    for name in h.keys() {
-        if let Some(n) = HOP_BY_HOP.iter().find(|n| *n == name) {
-            if !(keep_upgrade && (*n == CONNECTION || *n == UPGRADE)) && !present.contains(&n) {
-                present.push(n);
-            }
-        } else if underscore_lookalike(name.as_str().as_bytes()) {
-            lookalikes.push(name.clone());
-        }
-    }
-    // RFC 9112 §6.3: a message with both is framed by Transfer-Encoding, and a proxy must drop
-    // the Content-Length before passing it on (hyper decodes the chunks but keeps the field;
-    // re-sent as the length, it cut the body short). The body is re-framed on the way out.
-    if chunked_framing {
-        h.remove(CONTENT_LENGTH);
-    } else {
-        single_length(h);
-    }
-    for n in present {
-        h.remove(n);
-    }
-    for n in lookalikes {
-        h.remove(n);
-    }
-    if keep_upgrade {
-        h.insert(CONNECTION, HeaderValue::from_static("upgrade"));
-        // `Upgrade: websocket, h2c` offers both: only what tollgate passes on is offered on.
-        let offered = h
-            .get_all(UPGRADE)
-            .iter()
-            .any(|v| v.to_str().map_or(true, |s| s.split(',').any(is_h2c)));
-        if offered {
-            let kept: Vec<String> = h
-                .get_all(UPGRADE)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|s| s.split(','))
-                .map(str::trim)
-                .filter(|t| !t.is_empty() && !is_h2c(t))
-                .map(str::to_owned)
-                .collect();
-            match HeaderValue::from_str(&kept.join(", ")) {
-                Ok(v) if !kept.is_empty() => {
-                    h.insert(UPGRADE, v);
-                }
-                _ => {
-                    h.remove(UPGRADE);
-                }
-            }
-        }
-    }
 }
 
 fn is_h2c(token: &str) -> bool {
@@ -293,93 +290,27 @@ pub fn is_upgrade(version: http::Version, h: &HeaderMap) -> bool {
         })
 }
 
-/// A header value formatted in a stack buffer: no `String` on the request path, only the
-/// value's own bytes. `None` when the text is not a valid field value.
-pub fn value_of(args: std::fmt::Arguments<'_>) -> Option<HeaderValue> {
-    struct Buf {
-        bytes: [u8; 256],
-        len: usize,
-    }
-    impl std::fmt::Write for Buf {
-        fn write_str(&mut self, s: &str) -> std::fmt::Result {
-            let end = self.len + s.len();
-            self.bytes
-                .get_mut(self.len..end)
-                .ok_or(std::fmt::Error)?
-                .copy_from_slice(s.as_bytes());
-            self.len = end;
-            Ok(())
-        }
-    }
-    let mut buf = Buf {
-        bytes: [0; 256],
-        len: 0,
-    };
-    if std::fmt::Write::write_fmt(&mut buf, args).is_ok() {
-        HeaderValue::from_bytes(&buf.bytes[..buf.len]).ok()
-    } else {
-        // Longer than the buffer (a long limit name, a long X-Forwarded-For chain).
-        HeaderValue::from_str(&std::fmt::format(args)).ok()
-    }
-}
-
-/// Sets `X-Forwarded-For` (the peer appended to what came in), `-Proto` and `-Host`.
-/// `-Proto`/`-Host` from the client are kept only when the peer is a trusted proxy.
-/// `host`: the host the client asked for (`Host`, or the request target's authority, which is
-/// where HTTP/2 carries it).
-pub fn set_forwarded(
-    h: &mut HeaderMap,
-    peer: IpAddr,
-    peer_trusted: bool,
-    proto: &'static str,
-    host: Option<&HeaderValue>,
-) {
-    let mut buf = [0; crate::key::IP_TEXT_MAX];
-    let peer_text = crate::key::ip_text(peer, &mut buf);
-    let xff = match h.get(&XFF).and_then(|v| v.to_str().ok()) {
-        Some(prev) if !prev.trim().is_empty() => {
-            // Several XFF lines are one comma list (RFC 9110 §5.3).
-            let all: Vec<&str> = h
-                .get_all(&XFF)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .collect();
-            let peer = std::str::from_utf8(peer_text).unwrap_or("unknown");
-            value_of(format_args!("{}, {peer}", all.join(", ")))
-        }
-        _ => HeaderValue::from_bytes(peer_text).ok(),
-    };
-    if let Some(v) = xff {
-        h.insert(&XFF, v);
-    }
-    if !(peer_trusted && h.contains_key(&XFP)) {
-        h.insert(&XFP, HeaderValue::from_static(proto));
-    }
-    if !(peer_trusted && h.contains_key(&XFH)) {
-        if let Some(host) = host {
-            h.insert(&XFH, host.clone());
-        } else {
-            h.remove(&XFH);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::forwarding::{RequestRule, upstream_request};
 
-    #[test]
-    fn strips_listed_and_standard_hop_by_hop_fields() {
-        let mut h = HeaderMap::new();
-        h.insert("connection", HeaderValue::from_static("close, x-secret"));
-        h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert("te", HeaderValue::from_static("trailers"));
-        h.insert("upgrade", HeaderValue::from_static("h2c"));
-        h.insert("x-kept", HeaderValue::from_static("1"));
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key("x-kept"));
+    /// The request rule on `h`, less the forwarding fields it always adds.
+    fn strip(h: &mut HeaderMap, upgrade: bool) {
+        let mut edit = MapEdit::default();
+        let rule = RequestRule {
+            trusted: false,
+            proto: "http",
+            peer: b"192.0.2.1",
+            client_host: None,
+            host: None,
+            own_request_id: None,
+            upgrade,
+        };
+        upstream_request(h, &rule, &mut edit);
+        edit.apply(h);
+        h.remove("x-forwarded-for");
+        h.remove("x-forwarded-proto");
     }
 
     #[test]
@@ -388,7 +319,7 @@ mod tests {
         h.insert(TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
         h.insert(CONTENT_LENGTH, HeaderValue::from_static("3"));
         h.insert(CONNECTION, HeaderValue::from_static("transfer-encoding"));
-        strip_hop_by_hop(&mut h, false);
+        strip(&mut h, false);
         assert!(h.is_empty(), "{h:?}");
     }
 
@@ -396,16 +327,16 @@ mod tests {
     fn a_repeated_length_is_passed_on_once() {
         let mut h = HeaderMap::new();
         h.insert(CONTENT_LENGTH, HeaderValue::from_static("5, 5"));
-        strip_hop_by_hop(&mut h, false);
+        strip(&mut h, false);
         assert_eq!(h.get_all(CONTENT_LENGTH).iter().collect::<Vec<_>>(), ["5"]);
         let mut h = HeaderMap::new();
         h.append(CONTENT_LENGTH, HeaderValue::from_static("7"));
         h.append(CONTENT_LENGTH, HeaderValue::from_static("7"));
-        strip_hop_by_hop(&mut h, false);
+        strip(&mut h, false);
         assert_eq!(h.get_all(CONTENT_LENGTH).iter().collect::<Vec<_>>(), ["7"]);
         let mut h = HeaderMap::new();
         h.insert(CONTENT_LENGTH, HeaderValue::from_static("12"));
-        strip_hop_by_hop(&mut h, false);
+        strip(&mut h, false);
         assert_eq!(h.get_all(CONTENT_LENGTH).iter().collect::<Vec<_>>(), ["12"]);
     }
 
@@ -450,7 +381,7 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x_forwarded_for", HeaderValue::from_static("6.6.6.6"));
         h.insert("api_key", HeaderValue::from_static("k"));
-        strip_hop_by_hop(&mut h, false);
+        strip(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("api_key"));
     }
@@ -498,50 +429,15 @@ mod tests {
             HeaderValue::from_static("AAMAAABkAAQAoAAAAAIAAAAA"),
         );
         assert!(!is_upgrade(v11, &h));
-        strip_hop_by_hop(&mut h, false);
+        strip(&mut h, false);
         assert!(h.is_empty(), "{h:?}");
 
         let mut h = HeaderMap::new();
         h.insert("connection", HeaderValue::from_static("upgrade"));
         h.insert("upgrade", HeaderValue::from_static("h2c, websocket"));
         assert!(is_upgrade(v11, &h));
-        strip_hop_by_hop(&mut h, true);
+        strip(&mut h, true);
         assert_eq!(h["upgrade"], "websocket");
         assert_eq!(h["connection"], "upgrade");
-    }
-
-    #[test]
-    fn values_are_formatted_whole_past_the_stack_buffer_and_refused_when_invalid() {
-        assert_eq!(value_of(format_args!("{}-{}", "a", 7)).unwrap(), "a-7");
-        let long = "x".repeat(1000);
-        assert_eq!(
-            value_of(format_args!("{long};r=1")).unwrap(),
-            format!("{long};r=1").as_str()
-        );
-        assert!(value_of(format_args!("bad\n{}", 1)).is_none());
-    }
-
-    #[test]
-    fn forwarded_fields_from_untrusted_peer_are_replaced() {
-        let mut h = HeaderMap::new();
-        h.insert("host", HeaderValue::from_static("api.example.com"));
-        h.insert("x-forwarded-for", HeaderValue::from_static("1.1.1.1"));
-        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        let host = h.get(http::header::HOST).cloned();
-        set_forwarded(
-            &mut h,
-            "9.9.9.9".parse().unwrap(),
-            false,
-            "http",
-            host.as_ref(),
-        );
-        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 9.9.9.9");
-        assert_eq!(h["x-forwarded-proto"], "http");
-        assert_eq!(h["x-forwarded-host"], "api.example.com");
-        let mut h2 = HeaderMap::new();
-        h2.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        set_forwarded(&mut h2, "10.0.0.1".parse().unwrap(), true, "http", None);
-        assert_eq!(h2["x-forwarded-proto"], "https");
-        assert_eq!(h2["x-forwarded-for"], "10.0.0.1");
     }
 }

@@ -1,7 +1,7 @@
 //! Kept-alive HTTP/1.1 connections to one plain `http://` upstream, on hyper's connection API.
 //!
 //! Why not hyper-util's pooled client here: it was a tenth of the gateway's CPU per proxied
-//! request in a profile (see the README), for work a reverse proxy does not need per request —
+//! request in a profile, for work a reverse proxy does not need per request —
 //! keying the pool by scheme and authority on every request, a boxed checkout future, and a task
 //! spawned per response to put the connection back once its body is read. Here each upstream
 //! holds its own idle list (found once, not per request), a connection goes back the moment its
@@ -30,16 +30,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use parking_lot::Mutex;
 use tower::ServiceExt;
 
-use super::client::UpstreamError;
-use crate::proxy::Body;
+use super::{Body, STALE_RETRIES, UpstreamError};
 
 /// Longer than nginx's default `keepalive_timeout` (75 s) would be pointless: an upstream closes
 /// its end first, and its connections are noticed closed here.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 pub const MAX_IDLE: usize = 1024;
-/// A request is tried on at most this many pooled connections that turn out closed, then on a
-/// new one.
-const STALE_RETRIES: usize = 4;
 /// How often idle connections are checked while they sit unused.
 const REAP_EVERY: Duration = Duration::from_secs(15);
 

@@ -12,6 +12,8 @@ use std::ops::Range;
 use http::Method;
 
 use super::framing::{Chunked, Framing};
+pub use crate::proxy::fields::Name;
+use crate::proxy::fields::classify;
 use crate::proxy::headers::valid_host;
 
 /// Fields in a head the fast path parses; more go to the general path.
@@ -23,55 +25,6 @@ pub const MAX_HEAD: usize = 16 * 1024;
 /// (hyper's defaults, 100 fields in about 400 KiB), so both paths pass on the same answers.
 pub const MAX_RESPONSE_FIELDS: usize = 100;
 pub const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
-
-/// The names the proxy acts on; everything else is copied through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Name {
-    Other,
-    Host,
-    ContentLength,
-    TransferEncoding,
-    Connection,
-    /// Hop-by-hop besides `Connection` and `Transfer-Encoding` (RFC 9110 §7.6.1 and the usual
-    /// proxy fields): never forwarded.
-    HopByHop,
-    Upgrade,
-    Expect,
-    XForwardedFor,
-    XForwardedProto,
-    XForwardedHost,
-    RequestId,
-    RateLimit,
-    RateLimitPolicy,
-    Date,
-}
-
-pub fn classify(name: &[u8]) -> Name {
-    let is = |s: &str| name.eq_ignore_ascii_case(s.as_bytes());
-    match name.len() {
-        2 if is("te") => Name::HopByHop,
-        4 if is("host") => Name::Host,
-        4 if is("date") => Name::Date,
-        6 if is("expect") => Name::Expect,
-        7 if is("upgrade") => Name::Upgrade,
-        7 if is("trailer") => Name::HopByHop,
-        9 if is("ratelimit") => Name::RateLimit,
-        10 if is("connection") => Name::Connection,
-        10 if is("keep-alive") => Name::HopByHop,
-        12 if is("x-request-id") => Name::RequestId,
-        14 if is("content-length") => Name::ContentLength,
-        15 if is("x-forwarded-for") => Name::XForwardedFor,
-        16 if is("x-forwarded-host") => Name::XForwardedHost,
-        16 if is("proxy-connection") => Name::HopByHop,
-        16 if is("ratelimit-policy") => Name::RateLimitPolicy,
-        17 if is("transfer-encoding") => Name::TransferEncoding,
-        17 if is("x-forwarded-proto") => Name::XForwardedProto,
-        18 if is("proxy-authenticate") => Name::HopByHop,
-        19 if is("proxy-authorization") => Name::HopByHop,
-        _ if crate::proxy::headers::underscore_lookalike(name) => Name::HopByHop,
-        _ => Name::Other,
-    }
-}
 
 /// One field: name and value as offsets into the head's buffer, and what the name is.
 #[derive(Debug, Clone)]

@@ -1,6 +1,6 @@
-//! Kept-alive raw connections to one plain `http://` upstream, for the fast path.
+//! Kept-alive raw connections to one plain `http://` upstream, for the fast codec.
 //!
-//! The same rules as the general path's pool (`forward::pool`): last in, first out; a connection
+//! The same rules as the hyper codec's pool ([`super::http1`]): last in, first out; a connection
 //! idle longer than [`IDLE_TIMEOUT`] or seen closed by the upstream is never handed out; at most
 //! [`MAX_IDLE`] are kept; a reaper drops the ones that aged out while no request came. A
 //! connection is only put back after a complete exchange, with nothing left unread.
@@ -8,16 +8,14 @@
 use std::io;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use http::uri::Authority;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
-use crate::proxy::forward::pool::{IDLE_TIMEOUT, MAX_IDLE, spawn_reaper};
-
-/// As the general path's connector.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+use super::CONNECT_TIMEOUT;
+use super::http1::{IDLE_TIMEOUT, MAX_IDLE, spawn_reaper};
 
 #[derive(Debug)]
 pub struct Pool {

@@ -1,5 +1,8 @@
-//! The upstream client: pooled HTTP/1.1 to `http://` upstreams (our own lean pool, see [`pool`]),
-//! TLS to `https://` upstreams, and HTTP/2 to `https://` upstreams that offer `h2` by ALPN.
+//! The connector: every upstream connection, owned by the app (not by a config snapshot, so
+//! connections outlive reloads) and kept per upstream authority in one [`Pools`]: raw TCP
+//! streams for the fast codec ([`raw`]), hyper HTTP/1.1 connections for the hyper codec
+//! ([`http1`]), TLS to `https://` upstreams, and HTTP/2 to `https://` upstreams that offer `h2`
+//! by ALPN. A connection refused by an authority marks it down for every route that uses it.
 //!
 //! Why not hand everything to hyper-util's pooled client with ALPN on: over HTTP/2 the host goes
 //! in `:authority`, which that client takes from the URI it also pools and dials by. The proxy
@@ -31,9 +34,70 @@ use rustls::pki_types::CertificateDer;
 use tokio::net::TcpStream;
 use tower::ServiceExt;
 
-use super::pool::{self, Host};
-use crate::proxy::Body;
-use crate::snapshot::Upstream;
+pub mod http1;
+pub mod raw;
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+
+use self::http1::Host;
+
+/// The one body type for everything the hyper codec sends: upstream bodies and its own.
+pub type Body = BoxBody<Bytes, hyper::Error>;
+
+/// TCP connect to a plain upstream, on either pool.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A request is tried on at most this many pooled connections that turn out closed, then on a
+/// new one.
+pub const STALE_RETRIES: usize = 4;
+/// How long an upstream that refused a connection is tried after its route's others: nginx's
+/// `max_fails=1 fail_timeout=10s` default.
+pub const FAIL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Everything kept for one plain upstream authority, shared by every route and every config
+/// snapshot that names it.
+#[derive(Debug)]
+pub struct Pools {
+    /// The fast codec's raw connections.
+    pub raw: Arc<raw::Pool>,
+    /// The hyper codec's HTTP/1.1 connections.
+    pub http1: Arc<Host>,
+    /// Until when (ms on [`millis`]'s clock) this authority counts as down: it refused a
+    /// connection, and the other upstreams of a route are tried first until then.
+    down_until: AtomicU64,
+}
+
+impl Pools {
+    fn new(authority: &Authority) -> Self {
+        Self {
+            raw: raw::Pool::new(authority),
+            http1: Host::new(authority),
+            down_until: AtomicU64::new(0),
+        }
+    }
+
+    /// Notes that a connection to this authority failed (nothing was sent).
+    pub fn mark_down(&self) {
+        self.down_until.store(
+            millis() + FAIL_TIMEOUT.as_millis() as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Whether the authority refused a connection less than [`FAIL_TIMEOUT`] ago.
+    pub fn is_down(&self) -> bool {
+        self.down_until.load(Ordering::Relaxed) > millis()
+    }
+}
+
+/// Milliseconds since the first call: a clock for the down marks, cheap to compare.
+fn millis() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 type Pooled = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Body>;
@@ -44,12 +108,12 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// upgraded); meanwhile its requests use the HTTP/1.1 pool.
 const REPROBE_AFTER: Duration = Duration::from_secs(300);
 
-pub struct Client {
-    /// Plain `http://` upstreams (but upgrades): one [`Host`] pool each.
+/// Every upstream connection of the process.
+pub struct Connector {
+    /// Dials plain `http://` upstreams for the hyper codec's pool.
     plain: HttpConnector,
-    hosts: Mutex<HashMap<Authority, Arc<Host>>>,
-    /// The fast path's raw pools, one per authority.
-    raw: Mutex<HashMap<Authority, Arc<crate::proxy::h1::upstream::Pool>>>,
+    /// One [`Pools`] per plain authority, handed to each config snapshot that names it.
+    pools: Mutex<HashMap<Authority, Arc<Pools>>>,
     /// HTTP/1.1, pooled: upgrades, and `https://` upstreams without `h2`.
     http1: Pooled,
     /// Dials `https://` upstreams offering ALPN `h2` and `http/1.1`.
@@ -104,11 +168,11 @@ fn http_connector() -> HttpConnector {
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_keepalive(Some(Duration::from_secs(60)));
-    http.set_connect_timeout(Some(Duration::from_secs(5)));
+    http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http
 }
 
-impl Client {
+impl Connector {
     /// `upstream_ca`: trusted for `https://` upstreams on top of the system roots.
     pub fn new(upstream_ca: &[CertificateDer<'static>]) -> Self {
         let tls = crate::tls::client_config(upstream_ca);
@@ -129,44 +193,32 @@ impl Client {
             .wrap_connector(http_connector());
         Self {
             plain: http_connector(),
-            hosts: Mutex::new(HashMap::new()),
-            raw: Mutex::new(HashMap::new()),
+            pools: Mutex::new(HashMap::new()),
             http1,
             alpn,
             h2: RwLock::new(HashMap::new()),
         }
     }
 
+    /// The pools of a plain authority, made on first use; a config snapshot takes them once
+    /// per upstream when it is built, so a request never looks them up.
+    pub fn pools(&self, authority: &Authority) -> Arc<Pools> {
+        self.pools
+            .lock()
+            .entry(authority.clone())
+            .or_insert_with(|| Arc::new(Pools::new(authority)))
+            .clone()
+    }
+
     /// Sends `req` (origin-form URI, `Host` set) to a plain `http://` upstream over one of its
     /// kept-alive connections.
     pub async fn send_plain(
         &self,
-        upstream: &Upstream,
+        pools: &Pools,
         req: Request<Body>,
         started: Instant,
-    ) -> Result<Response<Body>, super::pool::SendError> {
-        let host = upstream.pool.get_or_init(|| {
-            self.hosts
-                .lock()
-                .entry(upstream.authority.clone())
-                .or_insert_with(|| Host::new(&upstream.authority))
-                .clone()
-        });
-        pool::send(&self.plain, host, req, started).await
-    }
-
-    /// The fast path's kept-alive connections to a plain upstream.
-    pub fn raw_pool<'u>(
-        &self,
-        upstream: &'u Upstream,
-    ) -> &'u Arc<crate::proxy::h1::upstream::Pool> {
-        upstream.raw.get_or_init(|| {
-            self.raw
-                .lock()
-                .entry(upstream.authority.clone())
-                .or_insert_with(|| crate::proxy::h1::upstream::Pool::new(&upstream.authority))
-                .clone()
-        })
+    ) -> Result<Response<Body>, http1::SendError> {
+        http1::send(&self.plain, &pools.http1, req, started).await
     }
 
     /// Sends `req` (absolute URI: the upstream's scheme and authority; `Host` as it should reach

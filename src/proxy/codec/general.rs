@@ -1,0 +1,168 @@
+//! The hyper codec: HTTP/2 (h2c by prior knowledge, and TLS by ALPN), TLS HTTP/1.1, upgrades,
+//! and whatever the fast codec hands over. hyper parses and writes; the phases are
+//! [`crate::proxy::pipeline`]'s, as for the fast codec.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use hyper::body::Incoming;
+
+use crate::key::{RequestParts, client_ip};
+use crate::proxy::deadline::{BodyDeadline, Served};
+use crate::proxy::error::ProxyError;
+use crate::proxy::exchange::ExchangeEnd;
+use crate::proxy::pipeline::{self, Refusable};
+use crate::proxy::{AbandonGuard, Admitted, Body, Gateway, forward, headers, request_id, response};
+use crate::routing::normalize_path;
+
+/// hyper's service function: one request, one answer.
+pub async fn serve(
+    gateway: Arc<Gateway>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Result<Response<Served>, Infallible> {
+    let mut resp = handle(&gateway, req, peer).await;
+    let at = resp.extensions_mut().remove::<BodyDeadline>();
+    Ok(resp.map(|body| Served::new(body, at)))
+}
+
+async fn handle(gateway: &Gateway, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    let started = Instant::now();
+    let mut end = ExchangeEnd::begin(gateway.snapshot.load_full(), started);
+    let id = request_id::ensure(req.headers_mut());
+    let head = req.method() == http::Method::HEAD;
+    let method = req.method().clone();
+    let mut resp = match exchange(gateway, &mut end, req, peer, &id).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            let mut resp = response::answer(&e, end.route())
+                // hyper drops a request's future when its client goes: nobody to answer.
+                .unwrap_or_else(|| Response::new(response::full(Bytes::new())));
+            resp.headers_mut()
+                .insert(&request_id::X_REQUEST_ID, id.clone());
+            resp
+        }
+    };
+    let status = resp.status().as_u16();
+    end.answered(status);
+    let route = end.route().map(|r| r.name.clone());
+    tracing::debug!(request_id = %request_id::LogId(id.as_bytes()), route = route.as_deref().unwrap_or("-"), %method, status, head_after = ?started.elapsed(), "request");
+    if head && !http_body::Body::is_end_stream(resp.body()) {
+        // tollgate's own answers (404, 429, 502…) come with a body. HTTP/1.1 leaves it
+        // unsent after a HEAD by itself; HTTP/2 would send it as DATA frames, which the
+        // client must treat as a protocol error. The head, Content-Length included, stays.
+        if let Some(n) = http_body::Body::size_hint(resp.body()).exact()
+            && !resp.headers().contains_key(http::header::CONTENT_LENGTH)
+        {
+            resp.headers_mut()
+                .insert(http::header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
+        resp = resp.map(|_| response::full(Bytes::new()));
+    }
+    guarded(resp, end)
+}
+
+/// The phases for one request; any that fails says why.
+async fn exchange(
+    gateway: &Gateway,
+    end: &mut ExchangeEnd,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    id: &HeaderValue,
+) -> Result<Response<Body>, ProxyError> {
+    if let Some(uri) = normalize_path(req.uri()) {
+        *req.uri_mut() = uri;
+    }
+    pipeline::refuse(&Refusable {
+        method: req.method(),
+        authority_form: req.uri().scheme().is_none() && req.uri().authority().is_some(),
+        only_chunked: headers::only_chunked(req.headers()),
+    })?;
+    let rt = Arc::clone(end.snapshot());
+    let host = headers::request_host(req.version(), req.uri(), req.headers())
+        .map(|h| h.map(str::as_bytes));
+    let idx = pipeline::route(&rt, req.method(), host, req.uri().path())?;
+    end.routed(idx);
+    let route = &rt.routes[idx];
+    let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
+    let parts = RequestParts {
+        method: req.method(),
+        uri: req.uri(),
+        headers: req.headers(),
+        client_ip: client,
+        client_ip_text: None,
+        route: &route.name,
+    };
+    let Admitted {
+        info,
+        delay,
+        delayed_by,
+        waiter,
+    } = gateway
+        .admit(&rt, route, &parts, request_id::LogId(id.as_bytes()))
+        .await?;
+    if !delay.is_zero() {
+        // Dropped (client gone) before the slot comes: the reserved slot stays consumed, and
+        // the abandonment is counted.
+        let guard = AbandonGuard(delayed_by.map(|i| &route.limits.limits[i]));
+        tokio::time::sleep(delay).await;
+        std::mem::forget(guard);
+    }
+    drop(waiter);
+    let info = info.filter(|_| route.headers);
+    forward::forward(gateway, route, req, peer, &rt, id, info).await
+}
+
+/// The response with the exchange's end attached: at once for a body already over, else when
+/// the body has been sent or dropped.
+fn guarded(resp: Response<Body>, end: ExchangeEnd) -> Response<Body> {
+    if http_body::Body::is_end_stream(resp.body()) {
+        return resp;
+    }
+    resp.map(|body| {
+        http_body_util::BodyExt::boxed(Guarded {
+            body,
+            end: Some(end),
+        })
+    })
+}
+
+/// A response body that ends its exchange when it is over (or dropped).
+struct Guarded {
+    body: Body,
+    /// Taken when the body ends, so the end is not waited for until the body is dropped.
+    end: Option<ExchangeEnd>,
+}
+
+impl http_body::Body for Guarded {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        let over = match &polled {
+            std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => true,
+            std::task::Poll::Ready(Some(Ok(_))) => self.body.is_end_stream(),
+            std::task::Poll::Pending => false,
+        };
+        if over {
+            self.end.take();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}

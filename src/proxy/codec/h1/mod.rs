@@ -1,0 +1,179 @@
+//! The fast codec: plain HTTP/1.1 from client to a plain `http://` upstream, in one task per
+//! client connection, with the bytes of both heads parsed in place and written straight out.
+//!
+//! Why it exists: tollgate on hyper spent the same kernel time per request as nginx but twice
+//! its user time (hyper's two connection state machines, the hand-off between the client's and
+//! the upstream connection's tasks, a `HeaderMap` built and re-encoded on each side, boxed
+//! bodies). This codec does what nginx does: parse the request head once with `httparse` into
+//! offsets of the read buffer, write the upstream request from those offsets, drive the
+//! upstream connection from the same task, and pass bodies through as the bytes they are (a
+//! chunked body stays chunked; its end is found by [`framing`]).
+//!
+//! It parses and writes; it never decides. Refusals, routing, limits, the header rules, the
+//! answers of tollgate's own and the end of an exchange are the pipeline's
+//! ([`crate::proxy::pipeline`]), which the hyper codec calls too. What this codec does not parse
+//! (TLS, HTTP/2, HTTP/1.0 clients, protocol switches, `Expect`, ambiguous body lengths,
+//! absolute-form targets, oversized heads, routes with an `https://` upstream) it hands to hyper
+//! with the connection ([`rewind`]): hyper reads it (and what follows it) from the start.
+//!
+//! The connection loop is [`conn`], one exchange's dispatch through the phases [`dispatch`], the
+//! upstream side [`client`], bodies in flight [`relay`], and the heads' bytes [`write`].
+
+mod client;
+mod conn;
+mod dispatch;
+pub mod framing;
+pub mod head;
+mod relay;
+mod rewind;
+pub mod timer;
+mod write;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::Watcher;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use self::head::{Field, RequestHead};
+use self::rewind::Rewind;
+use self::timer::LazyTimer;
+use crate::proxy::{Gateway, request_id};
+
+/// Waiting for a request head (idle keep-alive included), as the general path's
+/// `header_read_timeout`.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// Reads ask for at least this much room.
+const READ_CHUNK: usize = 16 * 1024;
+/// A request body tollgate answers without forwarding is read and dropped up to this size, so
+/// the connection stays usable; past it the connection is closed instead.
+const DISCARD_MAX: usize = 1 << 20;
+/// Bytes read from a client while its request waits for a reserved slot, at most.
+const WAIT_READ_MAX: usize = 64 * 1024;
+
+/// What the listener gives each plain connection.
+#[derive(Clone)]
+pub struct Control {
+    pub builder: Arc<auto::Builder<TokioExecutor>>,
+    /// Turns true when the listener drains: idle connections close, busy ones after their
+    /// current exchange.
+    pub stop: watch::Receiver<bool>,
+}
+
+/// Serves one plain TCP connection; `watcher` counts it for the drain.
+pub async fn serve(
+    gateway: Arc<Gateway>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    ctl: Control,
+    watcher: Watcher,
+) {
+    let mut conn = Conn {
+        gateway: gateway.clone(),
+        client: stream,
+        peer,
+        rbuf: BytesMut::with_capacity(READ_CHUNK),
+        ubuf: BytesMut::new(),
+        out: Vec::with_capacity(1024),
+        fields: Vec::with_capacity(16),
+        ufields: Vec::with_capacity(16),
+        scratch: (Vec::new(), Vec::new()),
+        stop: ctl.stop,
+        peer_text: crate::key::IpText::new(peer.ip()),
+        idle: LazyTimer::new(),
+        idle_from: tokio::time::Instant::now(),
+        route_timer: LazyTimer::new(),
+    };
+    let Some(prefix) = conn.run().await else {
+        return;
+    };
+    let io = Rewind {
+        prefix,
+        inner: conn.client,
+    };
+    let c = crate::listener::serve_one(&ctl.builder, TokioIo::new(io), gateway.clone(), peer);
+    if let Err(e) = watcher.watch(c).await {
+        crate::listener::ended_with(&gateway, peer, &*e);
+    }
+}
+
+struct Conn {
+    gateway: Arc<Gateway>,
+    client: TcpStream,
+    peer: SocketAddr,
+    /// Bytes from the client not yet used.
+    rbuf: BytesMut,
+    /// Bytes from the upstream not yet used.
+    ubuf: BytesMut,
+    /// The head being written.
+    out: Vec<u8>,
+    fields: Vec<Field>,
+    ufields: Vec<Field>,
+    /// Header fields and body of tollgate's own answers, being written.
+    scratch: (Vec<u8>, Vec<u8>),
+    stop: watch::Receiver<bool>,
+    /// The peer's address as text, for `X-Forwarded-For` and `ip` keys: formatted once.
+    peer_text: crate::key::IpText,
+    /// The head timeout, [`HEAD_TIMEOUT`] after `idle_from`.
+    idle: LazyTimer,
+    /// The end of the last exchange (or the connection's start): the head timeout counts from it.
+    idle_from: tokio::time::Instant,
+    /// The route timeout of the exchange in progress.
+    route_timer: LazyTimer,
+}
+
+enum Step {
+    Keep,
+    /// Close; `linger`: request bytes may be left unread, so read them off before closing
+    /// (closing with unread bytes resets the connection, which can destroy the response).
+    Close {
+        linger: bool,
+    },
+    /// Hand the connection, from these bytes on, to the general path.
+    General(Bytes),
+}
+
+enum ReadHead {
+    Head(RequestHead),
+    Closed,
+    General,
+}
+
+/// Why an exchange with the upstream ended without a response head.
+enum Failure {
+    /// The client's connection failed mid-body.
+    Client,
+    /// The client shut its side before its body's end (it may still read an answer).
+    CutShort,
+    BadBody,
+    Upstream(io::Error),
+    /// No connection to the upstream: nothing of the request was sent, so another upstream
+    /// of the route may take it.
+    Connect(io::Error),
+}
+
+/// The request id: the client's when sane, else ours.
+enum RequestId {
+    Client(Range),
+    Ours([u8; 32]),
+}
+type Range = std::ops::Range<usize>;
+
+impl RequestId {
+    fn bytes<'a>(&'a self, head: &'a [u8]) -> &'a [u8] {
+        match self {
+            RequestId::Client(r) => &head[r.clone()],
+            RequestId::Ours(b) => b,
+        }
+    }
+
+    fn log<'a>(&'a self, head: &'a [u8]) -> request_id::LogId<'a> {
+        request_id::LogId(self.bytes(head))
+    }
+}

@@ -1,0 +1,356 @@
+//! Every way an exchange can end without the upstream's answer, by who failed, and [`rescue`]:
+//! the one function that turns it into what the client gets (status, fields, JSON body) and
+//! logs it. Both codecs render its answer through [`AnswerWriter`], so a refusal, a 429 or a
+//! 502 reads the same whichever codec served the request.
+
+use std::io;
+
+use http::header::{ALLOW, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderName, StatusCode};
+
+use super::response::{RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_ratelimit, push_u64};
+use crate::limit::algorithm::Rejection;
+use crate::snapshot::Route;
+
+/// Why tollgate answers instead of the upstream.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The client's request is malformed for a proxy (target, path, `Host`, body framing).
+    #[error("bad request: {0}")]
+    BadRequest(&'static str),
+    /// `CONNECT`: tollgate forwards to its routes' upstreams; it is not a tunnel to an address
+    /// the client names (nginx and Envoy refuse it unless configured as a forward proxy).
+    #[error("CONNECT is not served")]
+    ConnectNotAllowed,
+    /// A request body in a transfer coding besides `chunked` (`gzip, chunked`): tollgate would
+    /// pass on only the chunked layer, and the upstream would read gzip bytes as plain ones
+    /// (RFC 9112 §6.1: 501; nginx answers the same).
+    #[error("a transfer coding besides chunked")]
+    CodingNotImplemented,
+    /// No route matches.
+    #[error("no route")]
+    NoRoute,
+    /// The route's limit (by index) rejected the request.
+    #[error("rate limited by limit {limit}")]
+    Limited {
+        /// Index into the route's limits.
+        limit: usize,
+        /// The algorithm's answer: when to come back.
+        rejection: Rejection,
+    },
+    /// `on_missing: reject` and the key part is absent: the status of any rejection (`reject`
+    /// means 429 throughout the config), with its own error and no `Retry-After` (no wait makes
+    /// a key part appear).
+    #[error("key part {part} missing for limit {limit}")]
+    MissingKey {
+        /// Index into the route's limits.
+        limit: usize,
+        /// The key part, as configured.
+        part: String,
+    },
+    /// A key part sent with several differing values: the request is malformed for this route.
+    #[error("key part {part} ambiguous for limit {limit}")]
+    AmbiguousKey {
+        /// Index into the route's limits.
+        limit: usize,
+        /// The key part, as configured.
+        part: String,
+    },
+    /// Redis could not answer and `redis.on_error: deny`.
+    #[error("limiter unavailable for limit {limit}")]
+    LimiterUnavailable {
+        /// Index into the route's limits.
+        limit: usize,
+    },
+    /// No valid answer from the upstream: refused, failed, closed early, or not HTTP.
+    #[error("upstream request failed: {0}")]
+    Upstream(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The upstream sent a `101` to a request that asked for no protocol switch.
+    #[error("upstream switched protocols unasked")]
+    SwitchedUnasked,
+    /// No response head within the route's timeout.
+    #[error("upstream timed out")]
+    UpstreamTimeout,
+    /// The client went away: nobody to answer.
+    #[error("client gone")]
+    ClientGone,
+}
+
+impl From<io::Error> for ProxyError {
+    fn from(e: io::Error) -> Self {
+        ProxyError::Upstream(Box::new(e))
+    }
+}
+
+/// Where [`rescue`] writes its answer: a `Response` for hyper, bytes for the fast codec.
+pub trait AnswerWriter {
+    /// The answer's status, first.
+    fn status(&mut self, status: StatusCode);
+    /// A header field of the answer.
+    fn field(&mut self, name: &'static HeaderName, value: &[u8]);
+    /// A header field of the answer whose value `write` appends.
+    fn field_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>));
+    /// The body, appended to.
+    fn body(&mut self) -> &mut Vec<u8>;
+}
+
+static JSON: &[u8] = b"application/json";
+static ALLOWED: &[u8] = b"GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, TRACE";
+
+/// The answer to `e` on `route` (none before routing), written to `out`, and logged. `None`
+/// when there is nobody to answer ([`ProxyError::ClientGone`]); else the status written.
+pub fn rescue(
+    e: &ProxyError,
+    route: Option<&Route>,
+    out: &mut impl AnswerWriter,
+) -> Option<StatusCode> {
+    let route_name = route.map_or("", |r| &*r.name);
+    let limit_name = |i: usize| route.map_or("", |r| &*r.limits.limits[i].name);
+    let status = match e {
+        ProxyError::ClientGone => return None,
+        ProxyError::BadRequest(why) => {
+            error(out, StatusCode::BAD_REQUEST, "bad_request", |b| {
+                b.extend_from_slice(b",\"message\":");
+                push_json_str(b, why);
+            });
+            StatusCode::BAD_REQUEST
+        }
+        ProxyError::ConnectNotAllowed => {
+            out.status(StatusCode::METHOD_NOT_ALLOWED);
+            out.field(&CONTENT_TYPE, JSON);
+            out.field(&ALLOW, ALLOWED);
+            out.body().extend_from_slice(br#"{"error":"method_not_allowed","message":"CONNECT is not served: tollgate is a reverse proxy, not a tunnel"}"#);
+            StatusCode::METHOD_NOT_ALLOWED
+        }
+        ProxyError::CodingNotImplemented => {
+            out.status(StatusCode::NOT_IMPLEMENTED);
+            out.field(&CONTENT_TYPE, JSON);
+            out.field(&CONNECTION, b"close");
+            out.body().extend_from_slice(
+                br#"{"error":"not_implemented","message":"only the chunked transfer coding is supported"}"#,
+            );
+            StatusCode::NOT_IMPLEMENTED
+        }
+        ProxyError::NoRoute => {
+            error(out, StatusCode::NOT_FOUND, "not_found", |b| {
+                b.extend_from_slice(br#","message":"no route matches this request""#)
+            });
+            StatusCode::NOT_FOUND
+        }
+        ProxyError::Limited { limit, rejection } => {
+            // A limit is a route's: there is always one here.
+            too_many_requests(out, route?, *limit, rejection);
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        ProxyError::MissingKey { limit, part } => {
+            let s = StatusCode::TOO_MANY_REQUESTS;
+            error(out, s, "missing_key", |b| {
+                names(b, route_name, limit_name(*limit));
+                b.extend_from_slice(b",\"part\":");
+                push_json_str(b, part);
+            });
+            s
+        }
+        ProxyError::AmbiguousKey { limit, part } => {
+            error(out, StatusCode::BAD_REQUEST, "ambiguous_key", |b| {
+                names(b, route_name, limit_name(*limit));
+                b.extend_from_slice(b",\"part\":");
+                push_json_str(b, part);
+                b.extend_from_slice(
+                    br#","message":"the key part has several different values; send one""#,
+                );
+            });
+            StatusCode::BAD_REQUEST
+        }
+        ProxyError::LimiterUnavailable { limit } => {
+            out.status(StatusCode::SERVICE_UNAVAILABLE);
+            out.field(&RETRY_AFTER, b"1");
+            error_body(out, "limiter_unavailable", |b| {
+                names(b, route_name, limit_name(*limit))
+            });
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        ProxyError::Upstream(_) | ProxyError::SwitchedUnasked => {
+            tracing::warn!(route = %route_name, error = %ErrorChain(e), "upstream request failed");
+            error(out, StatusCode::BAD_GATEWAY, "bad_gateway", |b| {
+                b.extend_from_slice(b",\"route\":");
+                push_json_str(b, route_name);
+                b.extend_from_slice(br#","message":"no valid answer from the upstream: connection refused or failed, or not HTTP""#);
+            });
+            StatusCode::BAD_GATEWAY
+        }
+        ProxyError::UpstreamTimeout => {
+            tracing::warn!(route = %route_name, timeout = ?route.map(|r| r.timeout), "upstream timed out");
+            error(out, StatusCode::GATEWAY_TIMEOUT, "gateway_timeout", |b| {
+                b.extend_from_slice(b",\"route\":");
+                push_json_str(b, route_name);
+                b.extend_from_slice(br#","message":"upstream did not answer in time""#);
+            });
+            StatusCode::GATEWAY_TIMEOUT
+        }
+    };
+    Some(status)
+}
+
+/// 429 with `Retry-After` and the `RateLimit` fields. On a rejection `t` is the time until
+/// this request would be admitted: the same as `Retry-After`, which is what a client reading
+/// only the `RateLimit` field needs. Route and limit names are letters, digits, `_`, `.` and
+/// `-` (config validation): no JSON escaping.
+fn too_many_requests(out: &mut impl AnswerWriter, route: &Route, limit: usize, r: &Rejection) {
+    let limit = &route.limits.limits[limit];
+    out.status(StatusCode::TOO_MANY_REQUESTS);
+    out.field(&CONTENT_TYPE, JSON);
+    out.field_with(&RETRY_AFTER, |v| {
+        push_u64(v, ceil_secs(r.retry_after).max(1))
+    });
+    out.field(&RATELIMIT_POLICY, limit.policy.as_bytes());
+    out.field_with(&RATELIMIT, |v| {
+        push_ratelimit(v, limit, r.remaining, r.retry_after)
+    });
+    let b = out.body();
+    b.extend_from_slice(b"{\"error\":\"rate_limited\",\"route\":\"");
+    b.extend_from_slice(route.name.as_bytes());
+    b.extend_from_slice(b"\",\"limit\":\"");
+    b.extend_from_slice(limit.name.as_bytes());
+    b.extend_from_slice(b"\",\"retry_after_ms\":");
+    push_u64(b, r.retry_after.div_ceil(1000));
+    b.push(b'}');
+}
+
+/// A JSON error answer: `{"error":KIND` + what `rest` appends + `}`.
+fn error(
+    out: &mut impl AnswerWriter,
+    status: StatusCode,
+    kind: &str,
+    rest: impl FnOnce(&mut Vec<u8>),
+) {
+    out.status(status);
+    error_body(out, kind, rest);
+}
+
+fn error_body(out: &mut impl AnswerWriter, kind: &str, rest: impl FnOnce(&mut Vec<u8>)) {
+    out.field(&CONTENT_TYPE, JSON);
+    let b = out.body();
+    b.extend_from_slice(b"{\"error\":\"");
+    b.extend_from_slice(kind.as_bytes());
+    b.push(b'"');
+    rest(b);
+    b.push(b'}');
+}
+
+/// `,"route":R,"limit":L`.
+fn names(b: &mut Vec<u8>, route: &str, limit: &str) {
+    b.extend_from_slice(b",\"route\":");
+    push_json_str(b, route);
+    b.extend_from_slice(b",\"limit\":");
+    push_json_str(b, limit);
+}
+
+/// `s` as a JSON string.
+fn push_json_str(b: &mut Vec<u8>, s: &str) {
+    if serde_json::to_writer(&mut *b, s).is_err() {
+        b.extend_from_slice(b"\"\"");
+    }
+}
+
+/// An error and its causes on one line, without the repeats some layers add ("client error
+/// (Connect): invalid peer certificate: UnknownIssuer").
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut last = self.0.to_string();
+        let mut source = self.0.source();
+        while let Some(s) = source {
+            let text = s.to_string();
+            if !last.contains(&text) {
+                write!(f, ": {text}")?;
+            }
+            last = text;
+            source = s.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Text {
+        status: Option<StatusCode>,
+        fields: Vec<(String, String)>,
+        body: Vec<u8>,
+    }
+
+    impl AnswerWriter for Text {
+        fn status(&mut self, status: StatusCode) {
+            self.status = Some(status);
+        }
+        fn field(&mut self, name: &'static HeaderName, value: &[u8]) {
+            self.fields.push((
+                name.to_string(),
+                String::from_utf8_lossy(value).into_owned(),
+            ));
+        }
+        fn field_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
+            let mut v = Vec::new();
+            write(&mut v);
+            self.field(name, &v);
+        }
+        fn body(&mut self) -> &mut Vec<u8> {
+            &mut self.body
+        }
+    }
+
+    fn answer(e: ProxyError) -> Text {
+        let mut t = Text::default();
+        let status = rescue(&e, None, &mut t);
+        assert_eq!(status, t.status);
+        serde_json::from_slice::<serde_json::Value>(&t.body).expect("the body is JSON");
+        t
+    }
+
+    #[test]
+    fn who_failed_decides_the_status() {
+        for (e, status) in [
+            (ProxyError::BadRequest("x"), 400),
+            (ProxyError::ConnectNotAllowed, 405),
+            (ProxyError::CodingNotImplemented, 501),
+            (ProxyError::NoRoute, 404),
+            (
+                ProxyError::MissingKey {
+                    limit: 0,
+                    part: "header:x".into(),
+                },
+                429,
+            ),
+            (
+                ProxyError::AmbiguousKey {
+                    limit: 0,
+                    part: "header:x".into(),
+                },
+                400,
+            ),
+            (ProxyError::LimiterUnavailable { limit: 0 }, 503),
+            (ProxyError::from(io::Error::other("refused")), 502),
+            (ProxyError::SwitchedUnasked, 502),
+            (ProxyError::UpstreamTimeout, 504),
+        ] {
+            assert_eq!(answer(e).status.map(|s| s.as_u16()), Some(status));
+        }
+        let mut t = Text::default();
+        assert_eq!(rescue(&ProxyError::ClientGone, None, &mut t), None);
+        assert!(t.status.is_none() && t.body.is_empty());
+    }
+
+    #[test]
+    fn messages_are_escaped_as_json() {
+        let t = answer(ProxyError::BadRequest("a \"quoted\"\nline"));
+        let v: serde_json::Value = serde_json::from_slice(&t.body).unwrap();
+        assert_eq!(v["message"], "a \"quoted\"\nline");
+        assert_eq!(v["error"], "bad_request");
+    }
+}

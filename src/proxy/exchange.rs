@@ -1,0 +1,84 @@
+//! The after-response phase: what must happen when an exchange ends, whichever way it ends
+//! (answered in full, client gone, upstream failed, timed out, connection drained), in one
+//! guard that runs exactly once. Today it observes `tollgate_request_duration_seconds`; the
+//! limits that end after the response (concurrency slots, costs settled from the answer) hang
+//! on it too.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::metrics::Histogram;
+use crate::snapshot::ConfigSnapshot;
+
+/// One exchange, from its head until its answer has been sent or abandoned. The codec owns it
+/// for as long as the answer is being sent: the fast codec on its stack, the hyper codec inside
+/// the response body ([`super::Guarded`]), so a body dropped half-sent still ends it.
+pub struct ExchangeEnd {
+    snapshot: Arc<ConfigSnapshot>,
+    /// Index of the route, once routed; `None` counts under `_unmatched`.
+    route: Option<usize>,
+    started: Instant,
+    /// Set once ended, so the drop does nothing more.
+    ended: bool,
+}
+
+impl ExchangeEnd {
+    /// An exchange whose head arrived at `started`, served on `snapshot`.
+    pub fn begin(snapshot: Arc<ConfigSnapshot>, started: Instant) -> Self {
+        Self {
+            snapshot,
+            route: None,
+            started,
+            ended: false,
+        }
+    }
+
+    /// The config the exchange is served on, for its whole life.
+    pub fn snapshot(&self) -> &Arc<ConfigSnapshot> {
+        &self.snapshot
+    }
+
+    /// The route, once routed.
+    pub fn route(&self) -> Option<&crate::snapshot::Route> {
+        self.route.map(|i| &self.snapshot.routes[i])
+    }
+
+    /// The exchange was routed to the route at `idx`.
+    pub fn routed(&mut self, idx: usize) {
+        self.route = Some(idx);
+    }
+
+    /// The answer's head went out with `status`: counted in `tollgate_requests_total`.
+    pub fn answered(&self, status: u16) {
+        match self.route {
+            Some(i) => self.snapshot.routes[i].metrics.request(status),
+            None => self.snapshot.unmatched.request(status),
+        }
+    }
+
+    /// Ends the exchange at `now` (a clock read the caller needed anyway).
+    pub fn end_at(mut self, now: Instant) {
+        self.finish(now);
+    }
+
+    fn histogram(&self) -> &Histogram {
+        match self.route {
+            Some(i) => &self.snapshot.routes[i].metrics.request_duration,
+            None => &self.snapshot.unmatched.request_duration,
+        }
+    }
+
+    fn finish(&mut self, now: Instant) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        self.histogram()
+            .observe(now.saturating_duration_since(self.started));
+    }
+}
+
+impl Drop for ExchangeEnd {
+    fn drop(&mut self) {
+        self.finish(Instant::now());
+    }
+}
