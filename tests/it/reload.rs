@@ -173,7 +173,7 @@ async fn a_kubernetes_style_symlink_swap_is_picked_up() {
     std::os::unix::fs::symlink("..v2", dir.path.join("..data_tmp")).unwrap();
     std::fs::rename(dir.path.join("..data_tmp"), dir.path.join("..data")).unwrap();
     wait_for(async || {
-        shared.proxy.snapshot.load().config.routes[0].limits[0]
+        shared.gateway.snapshot.load().config.routes[0].limits[0]
             .rate
             .count
             == 50
