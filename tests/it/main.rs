@@ -8,6 +8,7 @@ mod admin;
 mod cli;
 mod delay;
 mod eventual;
+mod exchange_end;
 mod fast_path;
 mod gateway;
 mod global;
