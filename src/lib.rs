@@ -18,4 +18,5 @@ pub mod metrics;
 pub mod proxy;
 pub mod routing;
 pub mod snapshot;
+pub mod state;
 pub mod tls;

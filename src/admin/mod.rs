@@ -16,8 +16,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
-use crate::app::Shared;
 use crate::metrics::Format;
+use crate::state::Shared;
 
 pub fn router(shared: Arc<Shared>) -> Router {
     let admin = Router::new()
@@ -147,8 +147,8 @@ async fn limit_state(
         )
             .into_response();
     };
-    match shared.peek(l, &crate::key::from_admin(key)).await {
-        Ok((s, store)) => Json(json!({
+    let (s, store) = shared.peek(l, &crate::key::from_admin(key)).await;
+    Json(json!({
             "store": store,
             "route": route,
             "limit": limit,
@@ -157,11 +157,9 @@ async fn limit_state(
             "algorithm": l.config.algorithm,
             "limit_count": l.config.rate.count,
             "remaining": s.remaining,
-            "reset_after_ms": s.reset_after.div_ceil(1000),
-        }))
-        .into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": e}))).into_response(),
-    }
+        "reset_after_ms": s.reset_after.div_ceil(1000),
+    }))
+    .into_response()
 }
 
 fn not_found(msg: &str) -> Response {

@@ -5,11 +5,14 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::server::conn::auto;
 
 use crate::key::{RequestParts, client_ip};
 use crate::proxy::deadline::{BodyDeadline, Served};
@@ -18,6 +21,65 @@ use crate::proxy::exchange::ExchangeEnd;
 use crate::proxy::pipeline::{self, Refusable};
 use crate::proxy::{AbandonGuard, Admitted, Body, Gateway, forward, headers, request_id, response};
 use crate::routing::normalize_path;
+
+/// The largest request head served; a larger one gets 431 (HTTP/1.1) or a stream reset
+/// (HTTP/2). Envoy's default is 60 KiB, nginx's 32 KiB in four 8 KiB lines; hyper's own were
+/// about 400 KB for HTTP/1.1 and 16 KiB for HTTP/2. One figure for both protocols, so a
+/// client's headers pass or fail alike whichever it speaks.
+pub const MAX_REQUEST_HEAD: usize = 64 * 1024;
+
+pub fn builder() -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .keep_alive(true)
+        // A client may shut its write side once the request is sent (`nc -N`, some HTTP/1.0
+        // tools) and still wait for the answer; nginx and the fast path answer it. hyper's
+        // default dropped such a connection, request and all, at the EOF.
+        .half_close(true)
+        .max_buf_size(MAX_REQUEST_HEAD);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(MAX_REQUEST_HEAD as u32);
+    b
+}
+
+/// One connection on any transport: HTTP/1.1 (with upgrades) or HTTP/2, detected from the first
+/// bytes (for TLS, ALPN has made the client send what it agreed to).
+pub(crate) fn serve_one<I>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    gateway: Arc<Gateway>,
+    peer: SocketAddr,
+) -> impl hyper_util::server::graceful::GracefulConnection<
+    Output = Result<(), Box<dyn std::error::Error + Send + Sync>>,
+> + Send
++ 'static
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req| serve(gateway.clone(), req, peer));
+    builder.serve_connection_with_upgrades(io, svc).into_owned()
+}
+
+/// A general-path connection that ended with an error. One hyper ended on a request it could
+/// not parse, after answering it itself (400; 431 for a head too large), is counted under
+/// `_unmatched` as tollgate's own unroutable answers are, so `tollgate_requests_total` holds
+/// every answer given.
+pub(crate) fn ended_with(
+    gateway: &Gateway,
+    peer: SocketAddr,
+    e: &(dyn std::error::Error + Send + Sync + 'static),
+) {
+    if let Some(h) = e.downcast_ref::<hyper::Error>()
+        && h.is_parse()
+    {
+        let status = if h.is_parse_too_large() { 431 } else { 400 };
+        gateway.snapshot.load().unmatched.request(status);
+    }
+    tracing::debug!(error = %e, %peer, "connection ended with an error");
+}
 
 /// hyper's service function: one request, one answer.
 pub async fn serve(

@@ -20,7 +20,7 @@ use crate::proxy::headers::valid_host;
 pub const MAX_FIELDS: usize = 64;
 /// Longest head the fast path parses; longer ones go to the general path (which answers 431
 /// past its own limit).
-pub const MAX_HEAD: usize = 16 * 1024;
+pub const FAST_MAX_HEAD: usize = 16 * 1024;
 /// An upstream response head the fast path reads: as much as the general path's client
 /// (hyper's defaults, 100 fields in about 400 KiB), so both paths pass on the same answers.
 pub const MAX_RESPONSE_FIELDS: usize = 100;
@@ -121,10 +121,12 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
     let mut req = httparse::Request::new(&mut []);
     let len = match req.parse_with_uninit_headers(buf, &mut raw) {
         Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => return ParsedRequest::Partial,
+        Ok(httparse::Status::Partial) if buf.len() < FAST_MAX_HEAD => {
+            return ParsedRequest::Partial;
+        }
         _ => return ParsedRequest::General,
     };
-    if len > MAX_HEAD || req.version != Some(1) {
+    if len > FAST_MAX_HEAD || req.version != Some(1) {
         return ParsedRequest::General;
     }
     let (Some(method), Some(path)) = (req.method, req.path) else {

@@ -97,9 +97,9 @@ pub async fn serve(
         prefix,
         inner: conn.client,
     };
-    let c = crate::listener::serve_one(&ctl.builder, TokioIo::new(io), gateway.clone(), peer);
+    let c = super::general::serve_one(&ctl.builder, TokioIo::new(io), gateway.clone(), peer);
     if let Err(e) = watcher.watch(c).await {
-        crate::listener::ended_with(&gateway, peer, &*e);
+        super::general::ended_with(&gateway, peer, &*e);
     }
 }
 
