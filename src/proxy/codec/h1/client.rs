@@ -31,7 +31,7 @@ pub(super) async fn exchange(
     method: &Method,
     body: &mut Framing,
     pump: &mut Pump,
-    client: &mut TcpStream,
+    client: &mut (impl AsyncRead + Unpin),
     rbuf: &mut BytesMut,
     ubuf: &mut BytesMut,
     ufields: &mut Vec<Field>,
@@ -101,7 +101,7 @@ pub(super) async fn exchange(
 /// read or one write, so what is not done stays in `pump` and the buffers when the head comes.
 #[allow(clippy::too_many_arguments)]
 async fn send_body_until_head(
-    client: &mut TcpStream,
+    client: &mut (impl AsyncRead + Unpin),
     rbuf: &mut BytesMut,
     body: &mut Framing,
     pump: &mut Pump,

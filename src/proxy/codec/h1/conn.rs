@@ -11,12 +11,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::client::read_more;
 use super::head::{self, ParsedRequest, RequestHead};
 use super::write::{AnswerLines, push_date};
-use super::{Conn, DISCARD_MAX, HEAD_TIMEOUT, ReadHead, RequestId, Step, WAIT_READ_MAX};
+use super::{ClientIo, Conn, DISCARD_MAX, HEAD_TIMEOUT, ReadHead, RequestId, Step, WAIT_READ_MAX};
 use crate::proxy::error::{ProxyError, rescue};
 use crate::proxy::exchange::ExchangeEnd;
 use crate::proxy::response::push_u64;
 
-impl Conn {
+impl<S: ClientIo> Conn<S> {
     /// Serves requests until the connection closes; returns the bytes to hand to the general
     /// path with the connection, if it came to that.
     pub(super) async fn run(&mut self) -> Option<Bytes> {

@@ -13,7 +13,7 @@ use super::framing::Framing;
 use super::head::{self, Field, RequestHead, ResponseHead};
 use super::relay::{Pump, relay, relay_duplex};
 use super::write::{FieldsView, LineWriter, push_body, push_date};
-use super::{Conn, Failure, RequestId, Step, WAIT_READ_MAX};
+use super::{ClientIo, Conn, Failure, RequestId, Step, WAIT_READ_MAX};
 use crate::key::{RequestParts, client_ip};
 use crate::limit::HeaderInfo;
 use crate::proxy::error::ProxyError;
@@ -25,7 +25,7 @@ use crate::proxy::{AbandonGuard, request_id};
 use crate::routing::normalize_path;
 use crate::snapshot::{ConfigSnapshot, Route, Upstream};
 
-impl Conn {
+impl<S: ClientIo> Conn<S> {
     pub(super) async fn handle(&mut self, mut head: RequestHead) -> Step {
         let started = Instant::now();
         let bytes = self.rbuf.split_to(head.len).freeze();

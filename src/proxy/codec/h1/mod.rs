@@ -26,6 +26,8 @@ pub mod framing;
 pub mod head;
 mod relay;
 mod rewind;
+#[cfg(test)]
+mod tests;
 pub mod timer;
 mod write;
 
@@ -38,6 +40,7 @@ use bytes::{Bytes, BytesMut};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::Watcher;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -57,6 +60,31 @@ const DISCARD_MAX: usize = 1 << 20;
 /// Bytes read from a client while its request waits for a reserved slot, at most.
 const WAIT_READ_MAX: usize = 64 * 1024;
 
+/// A client connection the fast codec serves: a byte stream whose read and write halves can be
+/// borrowed apart for one exchange (both directions at once). A `TcpStream` in production; an
+/// in-memory pipe in this module's tests.
+pub trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// The read half, borrowed.
+    type Reader<'a>: AsyncRead + Unpin + Send
+    where
+        Self: 'a;
+    /// The write half, borrowed.
+    type Writer<'a>: AsyncWrite + Unpin + Send
+    where
+        Self: 'a;
+    /// Both halves, borrowed apart (for a `TcpStream`, without a lock).
+    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>);
+}
+
+impl ClientIo for TcpStream {
+    type Reader<'a> = tokio::net::tcp::ReadHalf<'a>;
+    type Writer<'a> = tokio::net::tcp::WriteHalf<'a>;
+
+    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>) {
+        self.split()
+    }
+}
+
 /// What the listener gives each plain connection.
 #[derive(Clone)]
 pub struct Control {
@@ -67,9 +95,9 @@ pub struct Control {
 }
 
 /// Serves one plain TCP connection; `watcher` counts it for the drain.
-pub async fn serve(
+pub async fn serve<S: ClientIo>(
     gateway: Arc<Gateway>,
-    stream: TcpStream,
+    stream: S,
     peer: SocketAddr,
     ctl: Control,
     watcher: Watcher,
@@ -103,9 +131,9 @@ pub async fn serve(
     }
 }
 
-struct Conn {
+struct Conn<S> {
     gateway: Arc<Gateway>,
-    client: TcpStream,
+    client: S,
     peer: SocketAddr,
     /// Bytes from the client not yet used.
     rbuf: BytesMut,

@@ -2,13 +2,13 @@
 //! body relayed to the client, and both at once while the request body is still coming.
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::client::read_more;
 use super::framing::Framing;
 use super::write::push_body;
-use super::{Failure, WAIT_READ_MAX};
+use super::{ClientIo, Failure, WAIT_READ_MAX};
 
 /// Why a body in flight was cut: the client must see it end badly, never as complete.
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +59,7 @@ impl Pump {
 /// Copies the rest of a response body (its framing says when it ends) to the client, after
 /// what `out` holds (the head and the body bytes that came with it).
 pub(super) async fn relay(
-    client: &mut TcpStream,
+    client: &mut (impl AsyncWrite + Unpin),
     up: &mut TcpStream,
     ubuf: &mut BytesMut,
     out: &mut Vec<u8>,
@@ -98,8 +98,8 @@ pub(super) async fn relay(
 /// write; a request body the upstream no longer takes is read and dropped (the connection
 /// closes after).
 #[allow(clippy::too_many_arguments)]
-pub(super) async fn relay_duplex(
-    client: &mut TcpStream,
+pub(super) async fn relay_duplex<C: ClientIo>(
+    client: &mut C,
     rbuf: &mut BytesMut,
     body: &mut Framing,
     pump: &mut Pump,
@@ -109,7 +109,7 @@ pub(super) async fn relay_duplex(
     framing: &mut Framing,
     rechunk: bool,
 ) -> Result<(), Cut> {
-    let (mut cr, mut cw) = client.split();
+    let (mut cr, mut cw) = client.halves();
     let (mut ur, mut uw) = up.split();
     let mut written = 0;
     let mut done = framing.is_done();
