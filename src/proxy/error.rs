@@ -5,7 +5,7 @@
 
 use std::io;
 
-use http::header::{ALLOW, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{ALLOW, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, StatusCode};
 
 use super::response::{RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_ratelimit, push_u64};
@@ -92,6 +92,8 @@ pub trait AnswerWriter {
     fn field_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>));
     /// The body, appended to.
     fn body(&mut self) -> &mut Vec<u8>;
+    /// The connection closes after this answer (`Connection: close`).
+    fn close(&mut self);
 }
 
 static JSON: &[u8] = b"application/json";
@@ -125,7 +127,7 @@ pub fn rescue(
         ProxyError::CodingNotImplemented => {
             out.status(StatusCode::NOT_IMPLEMENTED);
             out.field(&CONTENT_TYPE, JSON);
-            out.field(&CONNECTION, b"close");
+            out.close();
             out.body().extend_from_slice(
                 br#"{"error":"not_implemented","message":"only the chunked transfer coding is supported"}"#,
             );
@@ -196,6 +198,7 @@ pub fn rescue(
 /// this request would be admitted: the same as `Retry-After`, which is what a client reading
 /// only the `RateLimit` field needs. Route and limit names are letters, digits, `_`, `.` and
 /// `-` (config validation): no JSON escaping.
+#[inline]
 fn too_many_requests(out: &mut impl AnswerWriter, route: &Route, limit: usize, r: &Rejection) {
     let limit = &route.limits.limits[limit];
     out.status(StatusCode::TOO_MANY_REQUESTS);
@@ -247,6 +250,7 @@ fn names(b: &mut Vec<u8>, route: &str, limit: &str) {
 }
 
 /// `s` as a JSON string.
+#[inline]
 fn push_json_str(b: &mut Vec<u8>, s: &str) {
     if serde_json::to_writer(&mut *b, s).is_err() {
         b.extend_from_slice(b"\"\"");
@@ -302,6 +306,9 @@ mod tests {
         }
         fn body(&mut self) -> &mut Vec<u8> {
             &mut self.body
+        }
+        fn close(&mut self) {
+            self.fields.push(("connection".into(), "close".into()));
         }
     }
 

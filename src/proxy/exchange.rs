@@ -24,6 +24,7 @@ pub struct ExchangeEnd {
 
 impl ExchangeEnd {
     /// An exchange whose head arrived at `started`, served on `snapshot`.
+    #[inline]
     pub fn begin(snapshot: Arc<ConfigSnapshot>, started: Instant) -> Self {
         Self {
             snapshot,
@@ -34,21 +35,25 @@ impl ExchangeEnd {
     }
 
     /// The config the exchange is served on, for its whole life.
+    #[inline]
     pub fn snapshot(&self) -> &Arc<ConfigSnapshot> {
         &self.snapshot
     }
 
     /// The route, once routed.
+    #[inline]
     pub fn route(&self) -> Option<&crate::snapshot::Route> {
         self.route.map(|i| &self.snapshot.routes[i])
     }
 
     /// The exchange was routed to the route at `idx`.
+    #[inline]
     pub fn routed(&mut self, idx: usize) {
         self.route = Some(idx);
     }
 
     /// The answer's head went out with `status`: counted in `tollgate_requests_total`.
+    #[inline]
     pub fn answered(&self, status: u16) {
         match self.route {
             Some(i) => self.snapshot.routes[i].metrics.request(status),
@@ -57,10 +62,12 @@ impl ExchangeEnd {
     }
 
     /// Ends the exchange at `now` (a clock read the caller needed anyway).
+    #[inline]
     pub fn end_at(mut self, now: Instant) {
         self.finish(now);
     }
 
+    #[inline]
     fn histogram(&self) -> &Histogram {
         match self.route {
             Some(i) => &self.snapshot.routes[i].metrics.request_duration,
@@ -68,6 +75,7 @@ impl ExchangeEnd {
         }
     }
 
+    #[inline]
     fn finish(&mut self, now: Instant) {
         if std::mem::replace(&mut self.ended, true) {
             return;
@@ -78,7 +86,11 @@ impl ExchangeEnd {
 }
 
 impl Drop for ExchangeEnd {
+    #[inline]
     fn drop(&mut self) {
-        self.finish(Instant::now());
+        // The clock is read only when the exchange has not been ended already.
+        if !self.ended {
+            self.finish(Instant::now());
+        }
     }
 }

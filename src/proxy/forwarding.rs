@@ -73,6 +73,7 @@ pub struct RequestRule<'a> {
 /// frame the message (dropping `Content-Length` would let the body be read upstream as a request
 /// of its own). `X-Forwarded-For` is what came in with the peer appended; `-Proto` and `-Host`
 /// are the client's only from a trusted proxy.
+#[inline]
 pub fn upstream_request<V: HeadView>(
     view: &V,
     rule: &RequestRule<'_>,
@@ -169,6 +170,7 @@ pub struct ResponseRule<'a> {
 }
 
 /// The upstream's response head as it goes to the client.
+#[inline]
 pub fn client_response<V: HeadView>(
     view: &V,
     rule: &ResponseRule<'_>,
@@ -199,6 +201,7 @@ pub fn client_response<V: HeadView>(
 }
 
 /// The field's text when it is visible ASCII (what `HeaderValue::to_str` accepts).
+#[inline]
 fn visible(v: &[u8]) -> Option<&[u8]> {
     v.iter()
         .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))

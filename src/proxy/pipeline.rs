@@ -50,6 +50,7 @@ pub fn refuse(r: &Refusable<'_>) -> Result<(), ProxyError> {
 /// Phase 2: the route for a request. A path no upstream should be sent (dot segments, bad
 /// escapes, NUL) is refused first, whether or not a route would match it: 400, never a 404;
 /// then a `Host` that is missing or not a host (`host`'s error).
+#[inline]
 pub fn route(
     snapshot: &ConfigSnapshot,
     method: &Method,
@@ -85,6 +86,7 @@ pub struct Tries<'r> {
 
 impl<'r> Tries<'r> {
     /// The tries of one request on `route`, which began at `started`.
+    #[inline]
     pub fn new(route: &'r Route, started: Instant) -> Self {
         Self {
             route,
@@ -96,6 +98,7 @@ impl<'r> Tries<'r> {
     }
 
     /// The next upstream to try.
+    #[inline]
     pub fn next_upstream(&mut self) -> Option<&'r Upstream> {
         let u = self.order.get(self.next).copied();
         self.next += 1;
@@ -112,6 +115,7 @@ impl<'r> Tries<'r> {
     }
 
     /// How the tries ended: `done` (an upstream took the request), else the last refusal.
+    #[inline]
     pub fn outcome<T>(self, done: Option<Result<T, ProxyError>>) -> Result<T, ProxyError> {
         self.route
             .metrics

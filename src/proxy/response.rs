@@ -59,9 +59,16 @@ impl AnswerWriter for Built {
     fn body(&mut self) -> &mut Vec<u8> {
         &mut self.body
     }
+
+    fn close(&mut self) {
+        self.resp
+            .headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
 }
 
 /// Whole seconds, rounded up: a client that waits this long is admitted.
+#[inline]
 pub fn ceil_secs(us: Micros) -> u64 {
     us.div_ceil(1_000_000)
 }
@@ -69,6 +76,7 @@ pub fn ceil_secs(us: Micros) -> u64 {
 /// Appends the `RateLimit` value. Written by hand: this runs on every admitted response, and the
 /// formatter's machinery was a visible part of it. Limit names are letters, digits, `_`, `.`
 /// and `-` (config validation), so the value needs no escaping.
+#[inline]
 pub fn push_ratelimit(out: &mut Vec<u8>, limit: &Limit, remaining: u64, reset_after: Micros) {
     out.push(b'"');
     out.extend_from_slice(limit.name.as_bytes());
@@ -79,6 +87,7 @@ pub fn push_ratelimit(out: &mut Vec<u8>, limit: &Limit, remaining: u64, reset_af
 }
 
 /// Appends `n` in decimal (`itoa`: two digits per step; this runs several times per answer).
+#[inline]
 pub(crate) fn push_u64(out: &mut Vec<u8>, n: u64) {
     out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }

@@ -144,11 +144,11 @@ async fn exchange(
         authority_form: req.uri().scheme().is_none() && req.uri().authority().is_some(),
         only_chunked: headers::only_chunked(req.headers()),
     })?;
-    let rt = Arc::clone(end.snapshot());
     let host = headers::request_host(req.version(), req.uri(), req.headers())
         .map(|h| h.map(str::as_bytes));
-    let idx = pipeline::route(&rt, req.method(), host, req.uri().path())?;
+    let idx = pipeline::route(end.snapshot(), req.method(), host, req.uri().path())?;
     end.routed(idx);
+    let rt = &**end.snapshot();
     let route = &rt.routes[idx];
     let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
     let parts = RequestParts {
@@ -165,7 +165,7 @@ async fn exchange(
         delayed_by,
         waiter,
     } = gateway
-        .admit(&rt, route, &parts, request_id::LogId(id.as_bytes()))
+        .admit(rt, route, &parts, request_id::LogId(id.as_bytes()))
         .await?;
     if !delay.is_zero() {
         // Dropped (client gone) before the slot comes: the reserved slot stays consumed, and
@@ -176,7 +176,7 @@ async fn exchange(
     }
     drop(waiter);
     let info = info.filter(|_| route.headers);
-    forward::forward(gateway, route, req, peer, &rt, id, info).await
+    forward::forward(gateway, route, req, peer, rt, id, info).await
 }
 
 /// The response with the exchange's end attached: at once for a body already over, else when

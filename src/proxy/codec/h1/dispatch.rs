@@ -1,7 +1,6 @@
 //! One exchange on the fast codec, through the pipeline's phases: route, keys and admission,
 //! the upstream request under the header rules, the response filtered back, and the end.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -35,18 +34,20 @@ impl<S: ClientIo> Conn<S> {
         let normalized = normalize_path(&raw_uri);
         let uri = normalized.as_ref().unwrap_or(&raw_uri);
         let mut end = ExchangeEnd::begin(self.gateway.snapshot.load_full(), started);
-        let rt = Arc::clone(end.snapshot());
         // `parse_request` checked it is a host (ASCII, no space or control byte).
         let host = head.host.clone().map(|r| &bytes[r]);
-        let routed = pipeline::route(&rt, &head.method, Ok(host), uri.path());
-        if let Ok(i) = routed
-            && !rt.routes[i]
+        let routed = pipeline::route(end.snapshot(), &head.method, Ok(host), uri.path());
+        if let Ok(i) = routed {
+            if !end.snapshot().routes[i]
                 .upstreams
                 .iter()
                 .all(|u| u.scheme == Scheme::HTTP)
-        {
-            return self.general(bytes);
+            {
+                return self.general(bytes);
+            }
+            end.routed(i);
         }
+        let rt = &**end.snapshot();
         let rid = match head.request_id.clone() {
             Some(r) if request_id::sane(&bytes[r.clone()]) => RequestId::Client(r),
             _ => RequestId::Ours(request_id::generate_hex()),
@@ -58,12 +59,9 @@ impl<S: ClientIo> Conn<S> {
                 step
             }
             Ok(idx) => {
-                end.routed(idx);
-                let (status, step) = self
-                    .route(&rt, &rt.routes[idx], &end, &mut head, &bytes, uri, &rid)
-                    .await;
-                tracing::debug!(request_id = %rid.log(&bytes), route = %rt.routes[idx].name, method = %head.method, status, head_after = ?started.elapsed(), "request");
-                step
+                self.route(rt, &rt.routes[idx], &end, &mut head, &bytes, uri, &rid)
+                    .await
+                    .1
             }
         };
         self.ended(end);
@@ -120,8 +118,11 @@ impl<S: ClientIo> Conn<S> {
         }
         drop(admitted.waiter);
         let info = admitted.info.filter(|_| route.headers);
-        self.forward(route, end, head, bytes, uri, rid, trusted, info)
-            .await
+        let (status, step) = self
+            .forward(route, end, head, bytes, uri, rid, trusted, info)
+            .await;
+        tracing::debug!(request_id = %rid.log(bytes), route = %route.name, method = %head.method, status, "request");
+        (status, step)
     }
 
     /// Forwards an admitted request; returns the status sent and what becomes of the connection.

@@ -365,6 +365,7 @@ fn parse_length(v: &[u8]) -> Option<u64> {
 }
 
 /// Appends `name: value\r\n`.
+#[inline]
 pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");

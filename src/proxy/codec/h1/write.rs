@@ -19,6 +19,7 @@ pub(super) struct FieldsView<'a> {
 impl HeadView for FieldsView<'_> {
     type Handle = Field;
 
+    #[inline]
     fn each<'a>(&'a self, mut f: impl FnMut(&'a Field, Name, &'a [u8], &'a [u8])) {
         for field in self.fields {
             f(
@@ -30,6 +31,7 @@ impl HeadView for FieldsView<'_> {
         }
     }
 
+    #[inline]
     fn named_by_connection(&self, name: &[u8]) -> bool {
         !self.connection.named.is_empty() && self.connection.names(self.bytes, name)
     }
@@ -46,13 +48,16 @@ pub(super) struct LineWriter<'a> {
 }
 
 impl HeadWriter<Field> for LineWriter<'_> {
+    #[inline]
     fn pass(&mut self, _: &Field, kind: Name, name: &[u8], value: &[u8]) {
         self.dated |= kind == Name::Date;
         push_field(self.out, name, value);
     }
 
+    #[inline]
     fn drop_field(&mut self, _: &Field) {}
 
+    #[inline]
     fn framing(&mut self, _: &Field, kind: Name, value: &[u8]) {
         // The parser takes one length only, so this is it.
         if self.pass_length && kind == Name::ContentLength {
@@ -60,10 +65,12 @@ impl HeadWriter<Field> for LineWriter<'_> {
         }
     }
 
+    #[inline]
     fn add(&mut self, name: &'static HeaderName, value: &[u8]) {
         push_field(self.out, name.as_str().as_bytes(), value);
     }
 
+    #[inline]
     fn add_list(&mut self, name: &'static HeaderName, parts: &[&[u8]]) {
         self.out.extend_from_slice(name.as_str().as_bytes());
         self.out.extend_from_slice(b": ");
@@ -76,6 +83,7 @@ impl HeadWriter<Field> for LineWriter<'_> {
         self.out.extend_from_slice(b"\r\n");
     }
 
+    #[inline]
     fn add_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
         self.out.extend_from_slice(name.as_str().as_bytes());
         self.out.extend_from_slice(b": ");
@@ -85,7 +93,7 @@ impl HeadWriter<Field> for LineWriter<'_> {
 }
 
 /// [`crate::proxy::error::rescue`]'s answer as header lines and a body; `Connection: close`
-/// is noted rather than written, since the codec writes its own.
+/// is noted rather than written, since the codec writes its own when it closes.
 pub(super) struct AnswerLines<'a> {
     pub status: StatusCode,
     pub fields: &'a mut Vec<u8>,
@@ -94,18 +102,17 @@ pub(super) struct AnswerLines<'a> {
 }
 
 impl AnswerWriter for AnswerLines<'_> {
+    #[inline]
     fn status(&mut self, status: StatusCode) {
         self.status = status;
     }
 
+    #[inline]
     fn field(&mut self, name: &'static HeaderName, value: &[u8]) {
-        if name == http::header::CONNECTION {
-            self.close |= value.eq_ignore_ascii_case(b"close");
-        } else {
-            push_field(self.fields, name.as_str().as_bytes(), value);
-        }
+        push_field(self.fields, name.as_str().as_bytes(), value);
     }
 
+    #[inline]
     fn field_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
         self.fields.extend_from_slice(name.as_str().as_bytes());
         self.fields.extend_from_slice(b": ");
@@ -113,13 +120,20 @@ impl AnswerWriter for AnswerLines<'_> {
         self.fields.extend_from_slice(b"\r\n");
     }
 
+    #[inline]
     fn body(&mut self) -> &mut Vec<u8> {
         self.body
+    }
+
+    #[inline]
+    fn close(&mut self) {
+        self.close = true;
     }
 }
 
 /// Appends body bytes; `chunk`: wrapped as one chunk (an upstream body that ends at close,
 /// sent chunked so the client connection can stay open).
+#[inline]
 pub(super) fn push_body(out: &mut Vec<u8>, data: &[u8], chunk: bool) {
     if data.is_empty() {
         return;
