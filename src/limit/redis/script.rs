@@ -214,6 +214,13 @@ fn function_missing(e: &FredError) -> bool {
     e.details().starts_with("ERR Function not found")
 }
 
+/// `FUNCTION LOAD`'s reply when a library of that name is there: this very code, since the
+/// name is its digest, loaded by another instance or an earlier connection.
+fn library_exists(e: &FredError) -> bool {
+    let details = e.details();
+    details.starts_with("ERR Library") && details.ends_with("already exists")
+}
+
 impl Scripts {
     pub fn new(path: ScriptPath) -> Self {
         Self {
@@ -254,19 +261,23 @@ impl Scripts {
         }
     }
 
-    /// `FUNCTION LOAD REPLACE` of the library on every primary (one on a single Redis).
-    /// REPLACE can only replace a library of this name, which is this very code: loads racing
-    /// each other, or an instance's load landing where another's already did, all succeed.
-    /// `Ok(false)`: the server has no functions, and this store now uses EVALSHA.
+    /// `FUNCTION LOAD` of the library on every primary (one on a single Redis). Without
+    /// REPLACE: a library of this name already there is this code, and Redis answers so before
+    /// compiling anything, so a fleet starting up compiles it once per node, not once per
+    /// instance, and nothing of another version is ever replaced. `Ok(false)`: the server has
+    /// no functions, and this store now uses EVALSHA.
     pub async fn load_library(&self, client: &Client) -> Result<bool, FredError> {
         if self.evalsha_only.load(Ordering::Relaxed) {
             return Ok(false);
         }
         match client
-            .function_load_cluster::<fred::types::Value, _>(true, self.library.source.as_str())
+            .function_load_cluster::<fred::types::Value, _>(false, self.library.source.as_str())
             .await
         {
             Ok(_) => Ok(true),
+            // On a cluster, some primaries may have had it and others not: fred sends the load
+            // to every one of them and answers with one of their errors.
+            Err(e) if library_exists(&e) => Ok(true),
             Err(e) if functions_unsupported(&e) => {
                 self.fall_back(&e);
                 Ok(false)

@@ -5,7 +5,8 @@
 --   local LIB = '<LIB>'
 -- where LIB is `tollgate_v` and 12 hex digits of the SHA-1 of the expanded text below, so a
 -- library that differs in one byte has another name, and two tollgate versions can both be
--- loaded (each calls its own functions) while a rollout runs.
+-- loaded (each calls its own functions) while a rollout runs. A library of this name already
+-- on a node is this code: tollgate loads without REPLACE and takes "already exists" as done.
 --
 -- Redis runs a library's top level once, at FUNCTION LOAD: the helpers and the algorithms
 -- (gcra.lua, lib.lua, whose closures lib.lua builds on first use and then keeps) are defined
