@@ -382,3 +382,44 @@ async fn a_primary_that_lost_the_library_gets_it_back_and_both_paths_agree() {
         store.shutdown().await;
     }
 }
+
+/// A library already on one primary (an instance of this version loaded it before a node was
+/// added, say) is left alone there and loaded on the others: that node's `already exists` is
+/// not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_on_some_primaries_is_loaded_on_the_others() {
+    let cluster = RedisCluster::start();
+    let name = library().name.as_str();
+    assert_eq!(
+        cluster.cli_node(1, &["function", "load", &library().source]),
+        name
+    );
+    let store = connect(&cluster);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !(0..3).all(|n| cluster.cli_node(n, &["function", "list"]).contains(name)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} not loaded on every primary at connect"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let algs: Vec<Algorithm> = (0..3)
+        .map(|_| {
+            Algorithm::FixedWindow(FixedWindow::new(Quota {
+                count: 2,
+                period: 60_000_000,
+                burst: 2,
+            }))
+        })
+        .collect();
+    let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
+    let limits = limits(&algs, &keys);
+    assert_eq!(walk(&store, &limits, &[]).await, 2);
+    for n in 0..3 {
+        let stats = cluster.cli_node(n, &["info", "commandstats"]);
+        // Every decision found the function: none was turned down and reloaded.
+        assert_eq!(command_calls(&stats, "fcall").1, 0, "node {n}: {stats}");
+    }
+    assert_eq!(store.script_path(), ScriptPath::Functions);
+    store.shutdown().await;
+}

@@ -609,6 +609,36 @@ mod tests {
     }
 
     #[test]
+    fn error_replies_are_told_apart() {
+        use fred::error::ErrorKind;
+        let reply = |text: &str| FredError::new(ErrorKind::Unknown, text.to_string());
+        // Redis 7.0 and 6.2 spell an unknown command differently.
+        for text in [
+            "ERR unknown command 'fcall', with args beginning with: 'x' '0' ",
+            "ERR unknown command `FUNCTION`, with args beginning with: `LOAD`, ",
+            "NOPERM this user has no permissions to run the 'fcall' command",
+        ] {
+            assert!(functions_unsupported(&reply(text)), "{text}");
+            assert!(!function_missing(&reply(text)) && !library_exists(&reply(text)));
+        }
+        assert!(function_missing(&reply("ERR Function not found")));
+        assert!(library_exists(&reply(
+            "ERR Library 'tollgate_v0123456789ab' already exists"
+        )));
+        for text in [
+            "ERR Error running script (call to f_x): @user_script:1: boom",
+            "NOSCRIPT No matching script. Please use EVAL.",
+            "ERR Error registering functions: ERR Function x already exists",
+        ] {
+            let e = reply(text);
+            assert!(
+                !functions_unsupported(&e) && !function_missing(&e) && !library_exists(&e),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
     fn keys_share_the_base_tag_or_get_one() {
         let log = Algorithm::SlidingLog(SlidingLog::new(quota(5, 1000)));
         assert_eq!(
