@@ -6,6 +6,8 @@
 #   BASE=<git rev> bench/script.sh     # the same, next to the scripts as of that revision
 #   CALLGRIND=1 bench/script.sh        # instructions per EVALSHA instead (ROUNDS=1 N=20000)
 #   CALLGRIND=1 PARTS=1 bench/script.sh  # and what the pieces of a script cost (see PARTS below)
+#   FCALL=1 bench/script.sh            # also the function library: FCALL next to EVALSHA
+#   CALLGRIND=1 FCALL=1 bench/script.sh  # the same in instructions per call
 #
 # A fleet of gateways shares one Redis (or one per cluster slot), so the CPU Redis spends per
 # EVALSHA is what bounds global decisions per second. For each algorithm this runs
@@ -14,6 +16,10 @@
 # (1000000 per second, burst 1000000, cost 1, enforced, so every call admits and writes), and reads
 # `usec_per_call` of EVALSHA from INFO commandstats: the time inside the command (the Lua and
 # the commands it runs), without the network. Rounds are interleaved; medians are printed.
+# With FCALL=1 the library tollgate loads on Redis >= 7 (bench/library_lua.sh) is loaded with
+# FUNCTION LOAD, and each algorithm is also decided by `FCALL <library>_decide` with the same
+# KEYS and ARGV (row `fcall`, figures from cmdstat_fcall), next to an empty function (`fempty`,
+# what any FCALL costs): the library's top level ran once at load, not in these calls.
 # With CALLGRIND=1, redis-server runs under valgrind's callgrind and each figure is the
 # instructions it executed per EVALSHA (network included, pipelined 16 deep so the reads and
 # writes are few): a count, not a time, so it does not move with the machine's load; one
@@ -53,6 +59,16 @@ if [[ -n "${BASE:-}" ]]; then
 fi
 VERSIONS+=(empty)
 echo "return 1" >"$TMP/empty.lua"
+declare -A FN
+if [[ -n "${FCALL:-}" ]]; then
+    "$HERE/library_lua.sh" >"$TMP/library.lua"
+    FN[fcall]="$(cli -x function load <"$TMP/library.lua")_decide"
+    printf '#!lua name=bench_empty\nredis.register_function("bench_empty", function() return 1 end)\n' >"$TMP/fempty.lua"
+    FN[fempty]="$(cli -x function load <"$TMP/fempty.lua")"
+    [[ ${FN[fcall]} == tollgate_v*_decide && ${FN[fempty]} == bench_empty ]] ||
+        { echo "script.sh: FUNCTION LOAD failed: ${FN[fcall]} ${FN[fempty]}" >&2; exit 1; }
+    VERSIONS+=(fcall fempty)
+fi
 # PARTS=1: the top level of gcra.lua and lib.lua with nothing after it (what every call of
 # refund.lua, peek.lua or a mixed decide.lua pays before its own work), and loops doing one
 # thing 10 times (a `redis.call`, a `tonumber` of an argument, a two-field table, a µs
@@ -70,7 +86,9 @@ if [[ -n "${PARTS:-}" ]]; then
     VERSIONS+=(libtop "${PARTS_10[@]}")
 fi
 declare -A SHA
-for v in "${VERSIONS[@]}"; do SHA[$v]=$(cli -x script load <"$TMP/$v.lua"); done
+for v in "${VERSIONS[@]}"; do [[ -n ${FN[$v]:-} ]] || SHA[$v]=$(cli -x script load <"$TMP/$v.lua"); done
+# Versions decided for every algorithm; the others (floors, parts) run gcra's arguments only.
+every_algorithm() { [[ $1 == here || $1 == base || $1 == fcall ]]; }
 
 # Per algorithm: its code in ARGV and its keys (sliding_log has two).
 ALGOS=(gcra fixed_window sliding_window sliding_log)
@@ -83,7 +101,12 @@ declare -A US RPS
 for round in $(seq "$ROUNDS"); do
     for a in "${ALGOS[@]}"; do
         for v in "${VERSIONS[@]}"; do
-            [[ $v != here && $v != base && $a != gcra ]] && continue
+            every_algorithm "$v" || [[ $a == gcra ]] || continue
+            if [[ -n ${FN[$v]:-} ]]; then
+                cmd=(fcall "${FN[$v]}"); stat=fcall
+            else
+                cmd=(evalsha "${SHA[$v]}"); stat=evalsha
+            fi
             cli flushall >/dev/null
             cli config resetstat >/dev/null
             if [[ -n $CALLGRIND ]]; then
@@ -94,16 +117,16 @@ for round in $(seq "$ROUNDS"); do
             fi
             # shellcheck disable=SC2086 # KEYS holds the key count and the keys
             out=$(taskset -c 1 redis-benchmark -p "$PORT" -c 50 -n "$N" "${pipeline[@]}" -q \
-                evalsha "${SHA[$v]}" ${KEYS[$a]} -1 1 1 "${CODE[$a]}" 1000000 1000000 1000000 1 0 0 2>&1 | tr '\r' '\n' | tail -1)
+                "${cmd[@]}" ${KEYS[$a]} -1 1 1 "${CODE[$a]}" 1000000 1000000 1000000 1 0 0 2>&1 | tr '\r' '\n' | tail -1)
             if [[ -n $CALLGRIND ]]; then
                 # Instructions since the zeroing, per call; the figure is in the µs column's place.
                 rm -f "$TMP"/cg.out.*
                 callgrind_control -d "$REDIS" >/dev/null
                 for _ in $(seq 50); do compgen -G "$TMP/cg.out.*" >/dev/null && break; sleep 0.1; done
-                calls=$(cli info commandstats | sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\).*/\1/p')
+                calls=$(cli info commandstats | sed -n "s/^cmdstat_$stat:calls=\([0-9]*\).*/\1/p")
                 us=$(awk -v c="$calls" '/^(summary|totals):/ {printf "%.0f", $2 / c; exit}' "$TMP"/cg.out.*)
             else
-                us=$(cli info commandstats | sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
+                us=$(cli info commandstats | sed -n "s/^cmdstat_$stat:.*usec_per_call=\([0-9.]*\).*/\1/p")
             fi
             rps=$(sed -n 's/.*: \([0-9.]*\) requests per second.*/\1/p' <<<"$out")
             [[ -n "$us" && -n "$rps" ]] || { echo "script.sh: no figure for $a ($v): $out" >&2; exit 1; }
@@ -117,10 +140,10 @@ done
 median() { tr ' ' '\n' <<<"$1" | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
 echo
 echo "medians over $ROUNDS rounds (redis-server on core 0${CALLGRIND:+ under callgrind}, redis-benchmark -c 50${CALLGRIND:+ -P 16} on core 1, N=$N)"
-printf '%-16s %-7s %12s %12s\n' algorithm script "$UNIT/EVALSHA" "EVALSHA/s"
+printf '%-16s %-7s %12s %12s\n' algorithm script "$UNIT/call" "calls/s"
 for a in "${ALGOS[@]}"; do
     for v in "${VERSIONS[@]}"; do
-        [[ $v != here && $v != base && $a != gcra ]] && continue
+        every_algorithm "$v" || [[ $a == gcra ]] || continue
         label=$v; [[ $v == base ]] && label="$BASE"
         printf '%-16s %-7s %12s %12.0f\n' "$a" "${label:0:7}" "$(median "${US[$a.$v]}")" "$(median "${RPS[$a.$v]}")"
     done

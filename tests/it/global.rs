@@ -8,6 +8,7 @@ use crate::support;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use crate::redis_store::WITHOUT_FUNCTIONS;
 use crate::support::redis::{RedisCluster, RedisServer, command_calls};
 use crate::support::upstream::Upstream;
 use crate::support::{Gateway, client, metric};
@@ -94,7 +95,19 @@ async fn hammer(
 
 #[tokio::test]
 async fn three_instances_share_one_budget_exactly_for_every_algorithm() {
-    let redis = shared_redis();
+    three_instances_share_one_budget_exactly(shared_redis()).await;
+}
+
+/// The same on a Redis without functions (Redis 6): every decision an EVALSHA.
+#[tokio::test]
+async fn three_instances_share_one_budget_exactly_on_a_redis_without_functions() {
+    let redis = RedisServer::start_with(&WITHOUT_FUNCTIONS);
+    three_instances_share_one_budget_exactly(&redis).await;
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    assert!(command_calls(&stats, "evalsha").0 >= 17 * 4, "{stats}");
+}
+
+async fn three_instances_share_one_budget_exactly(redis: &RedisServer) {
     let up = Upstream::start().await;
     // Periods of a day: the test cannot straddle a window boundary or see a refill.
     let cases = [
@@ -249,10 +262,21 @@ async fn a_flood_from_one_client_is_answered_in_process() {
 }
 
 #[tokio::test]
+async fn function_flush_mid_traffic_is_invisible() {
+    flush_mid_traffic_is_invisible(&["FUNCTION", "FLUSH"], &[]).await;
+}
+
+/// On a Redis without functions, scripts go by EVALSHA: the script cache is what goes.
+#[tokio::test]
 async fn script_flush_mid_traffic_is_invisible() {
+    flush_mid_traffic_is_invisible(&["SCRIPT", "FLUSH"], &WITHOUT_FUNCTIONS).await;
+}
+
+/// 50 requests, with `flush` sent to Redis (started with `redis_args`) every 10th.
+async fn flush_mid_traffic_is_invisible(flush: &[&str], redis_args: &[&str]) {
     // Its own server: a flush of the shared one could land between another test's reload and
     // its retry, a second NOSCRIPT that test would rightly not retry again.
-    let redis = &RedisServer::start();
+    let redis = &RedisServer::start_with(redis_args);
     let up = Upstream::start().await;
     let limits = "      - name: l\n        key: [literal:x]\n        algorithm: sliding_window\n        rate: 30/1d\n";
     let yaml = on_shared_redis(redis, "flush", &up, limits);
@@ -261,12 +285,12 @@ async fn script_flush_mid_traffic_is_invisible() {
     let mut ok = 0;
     for i in 0..50 {
         if i % 10 == 5 {
-            assert_eq!(redis.cli(&["SCRIPT", "FLUSH"]), "OK");
+            assert_eq!(redis.cli(flush), "OK");
         }
         match c.get(g.url("/")).send().await.unwrap().status().as_u16() {
             200 => ok += 1,
             429 => {}
-            s => panic!("status {s} after SCRIPT FLUSH"),
+            s => panic!("status {s} after {flush:?}"),
         }
     }
     assert_eq!(ok, 30);
@@ -614,10 +638,17 @@ async fn shadow_and_enforced_limits_are_one_call_and_charged_together() {
 ";
     let yaml = on_shared_redis(&redis, "sh", &up, limits);
     let (a, b) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
-    // EVALSHA calls that ran (a first NOSCRIPT, answered by loading the script, is not one).
+    // FCALL (or EVALSHA) calls that ran (a first `Function not found` or NOSCRIPT, answered
+    // by loading the library or script, is not one).
     let calls = || {
-        let (calls, failed) = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
-        calls - failed
+        let stats = redis.cli(&["INFO", "commandstats"]);
+        ["fcall", "evalsha"]
+            .map(|cmd| {
+                let (calls, failed) = command_calls(&stats, cmd);
+                calls - failed
+            })
+            .iter()
+            .sum::<u64>()
     };
     let before = calls();
     let c = client();

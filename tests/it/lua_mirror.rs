@@ -1,7 +1,8 @@
 //! decide.lua and peek.lua against the Rust cores: random timelines (clock overridden) fed to
 //! both must give identical decisions and identical states, step by step, for every
 //! algorithm, for reservations, and for requests with several limits (where a rejection
-//! must leave every key untouched).
+//! must leave every key untouched). Every case runs on both ways the scripts reach Redis: the
+//! function library (`FCALL`) and `EVALSHA`, the path of servers without functions.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +17,7 @@ use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
 use tollgate::limit::redis::{
-    GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, redis_keys,
+    GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, ScriptPath, redis_keys,
 };
 
 /// A realistic epoch (µs since 1970), so Lua handles today's timestamps exactly.
@@ -25,8 +26,19 @@ const EPOCH: Micros = 1_700_000_000_000_000;
 struct Shared {
     rt: Runtime,
     _server: RedisServer,
-    store: RedisStore,
+    /// One store per [`ScriptPath`], in [`PATHS`] order.
+    stores: Vec<RedisStore>,
     raw: Client,
+}
+
+const PATHS: [ScriptPath; 2] = [ScriptPath::Functions, ScriptPath::Evalsha];
+
+impl Shared {
+    /// Each store with the path it must still be on after a case: a store that fell back from
+    /// functions to EVALSHA would leave the function path untested.
+    fn stores(&self) -> impl Iterator<Item = (ScriptPath, &RedisStore)> {
+        PATHS.into_iter().zip(&self.stores)
+    }
 }
 
 /// One server, store and raw client for the whole binary; each case uses its own keys.
@@ -39,20 +51,22 @@ fn shared() -> &'static Shared {
             .enable_all()
             .build()
             .expect("runtime");
-        let (store, raw) = rt.block_on(async {
+        let (stores, raw) = rt.block_on(async {
             let mut settings = RedisSettings::new(RedisTarget::Single(server.url()));
             settings.timeout = Duration::from_secs(5);
-            let store = RedisStore::connect(settings).expect("connect");
+            let stores = PATHS
+                .map(|path| RedisStore::connect_with(settings.clone(), path).expect("connect"))
+                .to_vec();
             let raw = Builder::from_config(Config::from_url(&server.url()).expect("url"))
                 .build()
                 .expect("client");
             raw.init().await.expect("raw client");
-            (store, raw)
+            (stores, raw)
         });
         Shared {
             rt,
             _server: server,
-            store,
+            stores,
             raw,
         }
     })
@@ -137,55 +151,62 @@ fn mirror_one(
 ) -> Result<(), TestCaseError> {
     let sh = shared();
     let alg = algorithm(kind, q);
-    let key = fresh_key(&format!("a{kind}"));
     let max_delay = if alg.can_reserve() { max_delay } else { 0 };
-    sh.rt.block_on(async {
-        let mut state = alg.new_state();
-        let mut now = start;
-        for (i, &(gap, cost)) in steps.iter().enumerate() {
-            now += gap;
-            let cost = cost.min(alg.max_cost());
-            let limit = GlobalLimit {
-                algorithm: &alg,
-                key: &key,
-                cost,
-                max_delay,
-            };
-            let expected = rust_verdict(&alg, &state, now, cost, max_delay);
-            if expected.is_admitted() {
-                alg.commit(&mut state, now, cost);
+    for (path, store) in sh.stores() {
+        let key = fresh_key(&format!("a{kind}"));
+        sh.rt.block_on(async {
+            let mut state = alg.new_state();
+            let mut now = start;
+            for (i, &(gap, cost)) in steps.iter().enumerate() {
+                now += gap;
+                let cost = cost.min(alg.max_cost());
+                let limit = GlobalLimit {
+                    algorithm: &alg,
+                    key: &key,
+                    cost,
+                    max_delay,
+                };
+                let expected = rust_verdict(&alg, &state, now, cost, max_delay);
+                if expected.is_admitted() {
+                    alg.commit(&mut state, now, cost);
+                }
+                let got = store.decide(&[limit], Some(now)).await.expect("decide");
+                prop_assert_eq!(
+                    got.admitted,
+                    expected.is_admitted(),
+                    "{:?} step {} at {} cost {}",
+                    path,
+                    i,
+                    now,
+                    cost
+                );
+                prop_assert_eq!(
+                    got.per_limit,
+                    vec![expected],
+                    "{:?} step {} at {} cost {}",
+                    path,
+                    i,
+                    now,
+                    cost
+                );
+                let (peek, at) = store.peek_at(&limit, Some(now)).await.expect("peek");
+                prop_assert_eq!(at, now);
+                prop_assert_eq!(
+                    peek,
+                    alg.peek(&state, now),
+                    "{:?} peek after step {} at {}",
+                    path,
+                    i,
+                    now
+                );
             }
-            let got = sh.store.decide(&[limit], Some(now)).await.expect("decide");
-            prop_assert_eq!(
-                got.admitted,
-                expected.is_admitted(),
-                "step {} at {} cost {}",
-                i,
-                now,
-                cost
-            );
-            prop_assert_eq!(
-                got.per_limit,
-                vec![expected],
-                "step {} at {} cost {}",
-                i,
-                now,
-                cost
-            );
-            let (peek, at) = sh.store.peek_at(&limit, Some(now)).await.expect("peek");
-            prop_assert_eq!(at, now);
-            prop_assert_eq!(
-                peek,
-                alg.peek(&state, now),
-                "peek after step {} at {}",
-                i,
-                now
-            );
-        }
-        let keys = redis_keys(&key, &alg);
-        let _: i64 = sh.raw.del(keys).await.expect("DEL");
-        Ok(())
-    })
+            let keys = redis_keys(&key, &alg);
+            let _: i64 = sh.raw.del(keys).await.expect("DEL");
+            Ok(())
+        })?;
+        prop_assert_eq!(store.script_path(), path);
+    }
+    Ok(())
 }
 
 proptest! {
@@ -271,6 +292,7 @@ proptest! {
             .zip(&algs)
             .map(|(&(_, _, d), alg)| if alg.can_reserve() { d } else { 0 })
             .collect();
+        for (path, store) in sh.stores() {
         let keys: Vec<String> = (0..algs.len()).map(|i| fresh_key(&format!("multi{i}"))).collect();
         let all_keys: Vec<String> = keys.iter().zip(&algs).flat_map(|(k, a)| redis_keys(k, a)).collect();
         sh.rt.block_on(async {
@@ -306,25 +328,26 @@ proptest! {
                     rejected += 1;
                 }
                 let before = dump_all(&sh.raw, &all_keys).await;
-                let got = sh
-                    .store
+                let got = store
                     .decide_with_shadows(&limits, &shadow, Some(now))
                     .await
                     .expect("decide");
-                prop_assert_eq!(got.admitted, all, "step {} at {}", i, now);
-                prop_assert_eq!(&got.per_limit, &expected, "step {} at {}", i, now);
+                prop_assert_eq!(got.admitted, all, "{:?} step {} at {}", path, i, now);
+                prop_assert_eq!(&got.per_limit, &expected, "{:?} step {} at {}", path, i, now);
                 if !all {
-                    prop_assert_eq!(dump_all(&sh.raw, &all_keys).await, before, "a rejected request wrote (step {})", i);
+                    prop_assert_eq!(dump_all(&sh.raw, &all_keys).await, before, "{:?}: a rejected request wrote (step {})", path, i);
                 }
                 for (l, s) in limits.iter().zip(&states) {
-                    let (peek, _) = sh.store.peek_at(l, Some(now)).await.expect("peek");
-                    prop_assert_eq!(peek, l.algorithm.peek(s, now), "peek {} after step {}", l.key, i);
+                    let (peek, _) = store.peek_at(l, Some(now)).await.expect("peek");
+                    prop_assert_eq!(peek, l.algorithm.peek(s, now), "{:?} peek {} after step {}", path, l.key, i);
                 }
             }
             let _ = rejected;
             let _: i64 = sh.raw.del(all_keys).await.expect("DEL");
             Ok(())
         })?;
+        prop_assert_eq!(store.script_path(), path);
+        }
     }
 }
 
@@ -339,50 +362,50 @@ fn gcra_reservation_queues_requests_behind_each_other() {
         period: 1_000_000,
         burst: 2,
     }));
-    let key = fresh_key("reserve");
-    let limit = |max_delay| GlobalLimit {
-        algorithm: &alg,
-        key: &key,
-        cost: 1,
-        max_delay,
-    };
-    sh.rt.block_on(async {
-        let now = EPOCH;
-        let delays: Vec<Option<Micros>> = {
-            let mut out = Vec::new();
-            for _ in 0..5 {
-                let d = sh
-                    .store
-                    .decide(&[limit(250_000)], Some(now))
-                    .await
-                    .expect("decide");
-                out.push(match d.per_limit[0] {
-                    LimitVerdict::Admitted { delay, .. } => Some(delay),
-                    LimitVerdict::Rejected(_) => None,
-                });
-            }
-            out
+    for (path, store) in sh.stores() {
+        let key = fresh_key("reserve");
+        let limit = |max_delay| GlobalLimit {
+            algorithm: &alg,
+            key: &key,
+            cost: 1,
+            max_delay,
         };
-        // Burst of 2 at once, then slots 100 ms and 200 ms out, then beyond max_delay.
-        assert_eq!(
-            delays,
-            [Some(0), Some(0), Some(100_000), Some(200_000), None]
-        );
-        // Without a reservation the same request is simply rejected, 300 ms to wait.
-        let d = sh
-            .store
-            .decide(&[limit(0)], Some(now))
-            .await
-            .expect("decide");
-        assert_eq!(
-            d.per_limit[0],
-            LimitVerdict::Rejected(tollgate::limit::algorithm::Rejection {
-                retry_after: 300_000,
-                remaining: 0,
-                reset_after: 400_000,
-            })
-        );
-    });
+        sh.rt.block_on(async {
+            let now = EPOCH;
+            let delays: Vec<Option<Micros>> = {
+                let mut out = Vec::new();
+                for _ in 0..5 {
+                    let d = store
+                        .decide(&[limit(250_000)], Some(now))
+                        .await
+                        .expect("decide");
+                    out.push(match d.per_limit[0] {
+                        LimitVerdict::Admitted { delay, .. } => Some(delay),
+                        LimitVerdict::Rejected(_) => None,
+                    });
+                }
+                out
+            };
+            // Burst of 2 at once, then slots 100 ms and 200 ms out, then beyond max_delay.
+            assert_eq!(
+                delays,
+                [Some(0), Some(0), Some(100_000), Some(200_000), None],
+                "{path:?}"
+            );
+            // Without a reservation the same request is simply rejected, 300 ms to wait.
+            let d = store.decide(&[limit(0)], Some(now)).await.expect("decide");
+            assert_eq!(
+                d.per_limit[0],
+                LimitVerdict::Rejected(tollgate::limit::algorithm::Rejection {
+                    retry_after: 300_000,
+                    remaining: 0,
+                    reset_after: 400_000,
+                }),
+                "{path:?}"
+            );
+        });
+        assert_eq!(store.script_path(), path);
+    }
 }
 
 /// What to do with a step's commit in the refund test.
@@ -416,8 +439,9 @@ proptest! {
     ) {
         let sh = shared();
         let alg = algorithm(kind, q);
-        let key = fresh_key(&format!("refund{kind}"));
         let (steps, undos) = steps;
+        for (path, store) in sh.stores() {
+        let key = fresh_key(&format!("refund{kind}"));
         sh.rt.block_on(async {
             let mut state = alg.new_state();
             // (state without the pending commit, its instant, its cost)
@@ -428,8 +452,8 @@ proptest! {
                 let cost = cost.min(alg.max_cost());
                 let limit = GlobalLimit { algorithm: &alg, key: &key, cost, max_delay: 0 };
                 let expected = rust_verdict(&alg, &state, now, cost, 0);
-                let got = sh.store.decide(&[limit], Some(now)).await.expect("decide");
-                prop_assert_eq!(&got.per_limit, &vec![expected], "step {} at {}", i, now);
+                let got = store.decide(&[limit], Some(now)).await.expect("decide");
+                prop_assert_eq!(&got.per_limit, &vec![expected], "{:?} step {} at {}", path, i, now);
                 let admitted = expected.is_admitted();
                 // The state without the pending commit and without this step's.
                 let prior = match &pending {
@@ -441,7 +465,7 @@ proptest! {
                         cost: pending_cost,
                         ..limit
                     };
-                    sh.store.refund(&l, at, Some(now)).await.expect("refund");
+                    store.refund(&l, at, Some(now)).await.expect("refund");
                 }
                 state = prior.clone();
                 if admitted {
@@ -449,19 +473,21 @@ proptest! {
                     match undo {
                         Undo::Keep => {}
                         Undo::Now => {
-                            let refunded = sh.store.refund(&limit, now, Some(now)).await.expect("refund");
+                            let refunded = store.refund(&limit, now, Some(now)).await.expect("refund");
                             prop_assert!(refunded || cost == 0);
                             state = prior;
                         }
                         Undo::AfterNext => pending = Some((prior, now, cost)),
                     }
                 }
-                let (peek, _) = sh.store.peek_at(&limit, Some(now)).await.expect("peek");
-                prop_assert_eq!(peek, alg.peek(&state, now), "peek after step {} ({:?}) at {}", i, undo, now);
+                let (peek, _) = store.peek_at(&limit, Some(now)).await.expect("peek");
+                prop_assert_eq!(peek, alg.peek(&state, now), "{:?} peek after step {} ({:?}) at {}", path, i, undo, now);
             }
             let _: i64 = sh.raw.del(redis_keys(&key, &alg)).await.expect("DEL");
             Ok(())
         })?;
+        prop_assert_eq!(store.script_path(), path);
+        }
     }
 }
 
@@ -481,7 +507,10 @@ fn gcra_refund_after_another_commit_is_never_laxer() {
     let t = EPOCH;
     let lag = 30_000;
     // (units taken before t, how far the refunded bucket may be behind the ideal one)
-    for (busy, slack) in [(0, 0), (3, lag)] {
+    for ((busy, slack), (path, store)) in [(0, 0), (3, lag)]
+        .into_iter()
+        .flat_map(|b| sh.stores().map(move |s| (b, s)))
+    {
         let key = fresh_key("gcra-refund");
         let limit = GlobalLimit {
             algorithm: &alg,
@@ -492,30 +521,31 @@ fn gcra_refund_after_another_commit_is_never_laxer() {
         let mut without = alg.new_state();
         sh.rt.block_on(async {
             for _ in 0..busy {
-                assert!(sh.store.decide(&[limit], Some(t)).await.unwrap().admitted);
+                assert!(store.decide(&[limit], Some(t)).await.unwrap().admitted);
                 alg.commit(&mut without, t, 1);
             }
             // A at t (to be refunded), B at t + lag, then A's refund.
-            assert!(sh.store.decide(&[limit], Some(t)).await.unwrap().admitted);
+            assert!(store.decide(&[limit], Some(t)).await.unwrap().admitted);
             assert!(
-                sh.store
+                store
                     .decide(&[limit], Some(t + lag))
                     .await
                     .unwrap()
                     .admitted
             );
             alg.commit(&mut without, t + lag, 1);
-            assert!(sh.store.refund(&limit, t, Some(t + lag)).await.unwrap());
-            let (got, _) = sh.store.peek_at(&limit, Some(t + lag)).await.unwrap();
+            assert!(store.refund(&limit, t, Some(t + lag)).await.unwrap());
+            let (got, _) = store.peek_at(&limit, Some(t + lag)).await.unwrap();
             let ideal = alg.peek(&without, t + lag);
             assert!(
                 got.reset_after >= ideal.reset_after
                     && got.reset_after <= ideal.reset_after + slack,
-                "busy {busy}: refunded {got:?}, without the request {ideal:?}"
+                "{path:?} busy {busy}: refunded {got:?}, without the request {ideal:?}"
             );
             if slack == 0 {
-                assert_eq!(got, ideal);
+                assert_eq!(got, ideal, "{path:?}");
             }
         });
+        assert_eq!(store.script_path(), path);
     }
 }

@@ -1,5 +1,6 @@
 //! RedisStore on a 3-primary Redis Cluster: a request whose limits live on different nodes
-//! is decided per slot and refunded when one rejects, so it stays all-or-nothing.
+//! is decided per slot and refunded when one rejects, so it stays all-or-nothing; the
+//! function library is on every primary, and comes back to one that lost it.
 
 use std::time::Duration;
 
@@ -8,7 +9,8 @@ use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
 use tollgate::limit::redis::{
-    Decision, GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, redis_keys,
+    Decision, GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, ScriptPath,
+    library, redis_keys,
 };
 
 const EPOCH: Micros = 1_700_000_000_000_000;
@@ -44,9 +46,13 @@ fn expected(alg: &Algorithm, state: &State, now: Micros, cost: u64) -> LimitVerd
 }
 
 fn connect(cluster: &RedisCluster) -> RedisStore {
+    connect_with(cluster, ScriptPath::Functions)
+}
+
+fn connect_with(cluster: &RedisCluster, path: ScriptPath) -> RedisStore {
     let mut settings = RedisSettings::new(RedisTarget::Cluster(cluster.urls()));
     settings.timeout = Duration::from_secs(2);
-    RedisStore::connect(settings).unwrap()
+    RedisStore::connect_with(settings, path).unwrap()
 }
 
 /// One limit per algorithm and key, cost 1, no reservation.
@@ -144,8 +150,22 @@ async fn limits_on_different_nodes_are_all_or_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
+    one_call_per_slot_and_scripts_on_every_node(ScriptPath::Functions).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_sharing_a_tag_go_in_one_evalsha_and_scripts_load_on_every_node() {
+    one_call_per_slot_and_scripts_on_every_node(ScriptPath::Evalsha).await;
+}
+
+async fn one_call_per_slot_and_scripts_on_every_node(path: ScriptPath) {
     let cluster = RedisCluster::start();
-    let store = connect(&cluster);
+    let store = connect_with(&cluster, path);
+    // The command a decision is, and the one that loads it on a node.
+    let (call, load) = match path {
+        ScriptPath::Functions => ("fcall", "function|load"),
+        ScriptPath::Evalsha => ("evalsha", "script|load"),
+    };
     let q = Quota {
         count: 2,
         period: 60_000_000,
@@ -169,9 +189,9 @@ async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
         },
     ];
     let node = cluster.node_for_key("tg:{tenant-7}:a");
-    let evalsha_calls =
-        |n: usize| command_calls(&cluster.cli_node(n, &["info", "commandstats"]), "evalsha").0;
-    let before: Vec<u64> = (0..3).map(evalsha_calls).collect();
+    let script_calls =
+        |n: usize| command_calls(&cluster.cli_node(n, &["info", "commandstats"]), call).0;
+    let before: Vec<u64> = (0..3).map(script_calls).collect();
     let mut verdicts = Vec::new();
     for step in 0..3u64 {
         verdicts.push(
@@ -183,27 +203,29 @@ async fn limits_sharing_a_tag_go_in_one_call_and_scripts_load_on_every_node() {
         );
     }
     assert_eq!(verdicts, [true, true, false]);
-    let after: Vec<u64> = (0..3).map(evalsha_calls).collect();
+    let after: Vec<u64> = (0..3).map(script_calls).collect();
     for n in 0..3 {
-        // The first call's NOSCRIPT counts as a failed EVALSHA too.
+        // The first call's NOSCRIPT (or, before the load at connect, `Function not found`)
+        // counts as a failed call too.
         let calls = after[n] - before[n];
         if n == node {
             assert!(
                 (3..=4).contains(&calls),
-                "{calls} EVALSHA on the owning node"
+                "{calls} {call} on the owning node"
             );
         } else {
             assert_eq!(calls, 0, "node {n} was asked");
         }
     }
-    // SCRIPT LOAD after the first NOSCRIPT went to every primary.
+    // The load (at connect, or after the first NOSCRIPT) went to every primary.
     for n in 0..3 {
         let info = cluster.cli_node(n, &["info", "commandstats"]);
         assert!(
-            info.contains("cmdstat_script|load"),
-            "node {n} never got SCRIPT LOAD"
+            info.contains(&format!("cmdstat_{load}")),
+            "node {n} never got {load}"
         );
     }
+    assert_eq!(store.script_path(), path);
     store.shutdown().await;
 }
 
@@ -308,5 +330,96 @@ async fn a_moving_slot_costs_only_its_own_keys_and_is_followed_once_moved() {
     for k in &moving {
         assert_eq!(cluster.cli_node(1, &["exists", k]), "1", "{k} on node 1");
     }
+    store.shutdown().await;
+}
+
+/// A primary without the library (`FUNCTION FLUSH` here; a node added, or a replica promoted
+/// that never got it, look the same) answers `Function not found`: the store loads the library
+/// on every primary and calls again, and the decisions stay exact. The same walk on the
+/// EVALSHA path gives the same answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_lost_the_library_gets_it_back_and_both_paths_agree() {
+    let cluster = RedisCluster::start();
+    let q = |count| Quota {
+        count,
+        period: 60_000_000,
+        burst: count,
+    };
+    let algs = [
+        Algorithm::SlidingWindow(SlidingWindow::new(q(4))),
+        Algorithm::Gcra(Gcra::new(q(10))),
+        Algorithm::SlidingLog(SlidingLog::new(q(3))),
+    ];
+    let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
+    let limits = limits(&algs, &keys);
+    let name = library().name.as_str();
+    for path in [ScriptPath::Functions, ScriptPath::Evalsha] {
+        let store = connect_with(&cluster, path);
+        // A first decision: the library is there (loaded at connect or by this call) ...
+        assert!(
+            store
+                .decide(&limits[..1], Some(EPOCH))
+                .await
+                .unwrap()
+                .admitted
+        );
+        for n in 0..3 {
+            assert_eq!(cluster.cli_node(n, &["flushall"]), "OK");
+            // ... and then gone from every node.
+            assert_eq!(cluster.cli_node(n, &["function", "flush"]), "OK");
+        }
+        // The sliding log runs out first; the other nodes are refunded.
+        assert_eq!(walk(&store, &limits, &[]).await, 3, "{path:?}");
+        for n in 0..3 {
+            let list = cluster.cli_node(n, &["function", "list"]);
+            assert_eq!(
+                list.contains(name),
+                path == ScriptPath::Functions,
+                "{path:?}: node {n}: {list}"
+            );
+        }
+        assert_eq!(store.script_path(), path);
+        store.shutdown().await;
+    }
+}
+
+/// A library already on one primary (an instance of this version loaded it before a node was
+/// added, say) is left alone there and loaded on the others: that node's `already exists` is
+/// not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_on_some_primaries_is_loaded_on_the_others() {
+    let cluster = RedisCluster::start();
+    let name = library().name.as_str();
+    assert_eq!(
+        cluster.cli_node(1, &["function", "load", &library().source]),
+        name
+    );
+    let store = connect(&cluster);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !(0..3).all(|n| cluster.cli_node(n, &["function", "list"]).contains(name)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} not loaded on every primary at connect"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let algs: Vec<Algorithm> = (0..3)
+        .map(|_| {
+            Algorithm::FixedWindow(FixedWindow::new(Quota {
+                count: 2,
+                period: 60_000_000,
+                burst: 2,
+            }))
+        })
+        .collect();
+    let keys = keys_on_every_node(&cluster, |i| algs[i].clone());
+    let limits = limits(&algs, &keys);
+    assert_eq!(walk(&store, &limits, &[]).await, 2);
+    for n in 0..3 {
+        let stats = cluster.cli_node(n, &["info", "commandstats"]);
+        // Every decision found the function: none was turned down and reloaded.
+        assert_eq!(command_calls(&stats, "fcall").1, 0, "node {n}: {stats}");
+    }
+    assert_eq!(store.script_path(), ScriptPath::Functions);
     store.shutdown().await;
 }

@@ -1,17 +1,30 @@
-//! RedisStore against a real redis-server on the server's own clock: key expiry, script
-//! reloading after `SCRIPT FLUSH`, and the circuit breaker through an outage and a start
-//! with Redis down.
+//! RedisStore against a real redis-server on the server's own clock: key expiry, the function
+//! library (loaded at connect, versions side by side, reloaded after `FUNCTION FLUSH`), the
+//! EVALSHA path (reloaded after `SCRIPT FLUSH`; a server without functions), and the circuit
+//! breaker through an outage and a start with Redis down.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use crate::support::redis::RedisServer;
+use crate::support::redis::{RedisServer, command_calls};
 use tollgate::limit::algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, Snapshot,
 };
 use tollgate::limit::redis::{
-    GlobalLimit, LimitVerdict, RedisError, RedisSettings, RedisStore, RedisTarget, redis_keys,
+    GlobalLimit, LimitVerdict, RedisError, RedisSettings, RedisStore, RedisTarget, ScriptPath,
+    library, redis_keys,
 };
+
+/// `redis-server` arguments that take FUNCTION and FCALL away, as on Redis 6: what tollgate
+/// sees of a server without functions.
+pub const WITHOUT_FUNCTIONS: [&str; 6] = [
+    "--rename-command",
+    "FUNCTION",
+    "",
+    "--rename-command",
+    "FCALL",
+    "",
+];
 
 /// Shared by the tests that do not stop their server.
 fn server() -> &'static RedisServer {
@@ -132,34 +145,162 @@ async fn every_key_expires_once_its_state_is_full() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scripts_reload_after_script_flush() {
+async fn scripts_reload_after_function_flush_and_script_flush() {
     // Its own server: flushing the shared one could land between another test's reload and its
     // retry, a second NOSCRIPT that the store rightly does not retry again.
     let server = &RedisServer::start();
+    // (path, what to flush, its command, calls turned down after a flush: the library holds
+    // decide and peek, the script cache has them as two scripts)
+    for (path, flush, call, missed) in [
+        (ScriptPath::Functions, "function", "fcall", 1),
+        (ScriptPath::Evalsha, "script", "evalsha", 2),
+    ] {
+        let store =
+            RedisStore::connect_with(settings(server.url(), Duration::from_secs(2)), path).unwrap();
+        let algs = one_of_each(60_000);
+        let keys: Vec<String> = (0..algs.len())
+            .map(|i| format!("tg:{{flush/{call}/{i}}}"))
+            .collect();
+        let limits = limits(&algs, &keys);
+        if path == ScriptPath::Functions {
+            // Loaded at connect: a flush before that would go unseen.
+            let name = library().name.as_str();
+            let loaded = wait_for(Duration::from_secs(5), || {
+                server.cli(&["function", "list"]).contains(name)
+            })
+            .await;
+            assert!(loaded.is_some(), "{name} not loaded at connect");
+        }
+        for round in 0..3u64 {
+            let (_, failed_before) = command_calls(&server.cli(&["info", "commandstats"]), call);
+            assert_eq!(server.cli(&[flush, "flush"]), "OK");
+            let d = store.decide(&limits, None).await.unwrap();
+            assert!(d.admitted, "{path:?} round {round}");
+            // The state carried over: one unit more taken each round.
+            let remaining: Vec<u64> = d
+                .per_limit
+                .iter()
+                .map(|v| match v {
+                    LimitVerdict::Admitted { snapshot, .. } => snapshot.remaining,
+                    LimitVerdict::Rejected(r) => panic!("rejected: {r:?}"),
+                })
+                .collect();
+            assert_eq!(remaining, [4 - round, 2 - round, 2 - round, 2 - round]);
+            assert!(store.peek(&limits[0]).await.is_ok());
+            // The flush was seen (calls turned down, then reloaded), on this store's path.
+            let (_, failed) = command_calls(&server.cli(&["info", "commandstats"]), call);
+            assert_eq!(failed, failed_before + missed, "{path:?} round {round}");
+        }
+        assert!(store.is_available());
+        assert_eq!(store.script_path(), path);
+        store.shutdown().await;
+    }
+}
+
+/// A server without FUNCTION and FCALL (Redis 6) is decided by EVALSHA, with the same answers:
+/// the store finds out at connect, or at its first call if that comes first, and stays there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_without_functions_is_decided_by_evalsha() {
+    let server = &RedisServer::start_with(&WITHOUT_FUNCTIONS);
+    assert!(
+        server
+            .cli(&["function", "list"])
+            .contains("unknown command")
+    );
     let store = RedisStore::connect(settings(server.url(), Duration::from_secs(2))).unwrap();
     let algs = one_of_each(60_000);
     let keys: Vec<String> = (0..algs.len())
-        .map(|i| format!("tg:{{flush/{i}}}"))
+        .map(|i| format!("tg:{{nofn/{i}}}"))
         .collect();
     let limits = limits(&algs, &keys);
     for round in 0..3u64 {
-        assert_eq!(server.cli(&["script", "flush"]), "OK");
         let d = store.decide(&limits, None).await.unwrap();
         assert!(d.admitted, "round {round}");
-        // The state carried over: one unit more taken each round.
-        let remaining: Vec<u64> = d
-            .per_limit
-            .iter()
-            .map(|v| match v {
-                LimitVerdict::Admitted { snapshot, .. } => snapshot.remaining,
-                LimitVerdict::Rejected(r) => panic!("rejected: {r:?}"),
-            })
-            .collect();
-        assert_eq!(remaining, [4 - round, 2 - round, 2 - round, 2 - round]);
-        assert!(store.peek(&limits[0]).await.is_ok());
+        assert!(store.peek(&limits[3]).await.is_ok());
     }
+    assert_eq!(store.script_path(), ScriptPath::Evalsha);
+    let stats = server.cli(&["info", "commandstats"]);
+    let (evalsha, _) = command_calls(&stats, "evalsha");
+    assert!(evalsha >= 6, "{evalsha} EVALSHA");
     assert!(store.is_available());
     store.shutdown().await;
+}
+
+/// The library is on the server before the first decision, under its versioned name; a library
+/// of another tollgate version stays loaded and callable next to it (a rollout), and a second
+/// instance of this version loading it again replaces nothing but its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_loads_at_connect_next_to_other_versions() {
+    let server = &RedisServer::start();
+    let old = "tollgate_v000000000000";
+    let old_lib = format!(
+        "#!lua name={old}\nredis.register_function('{old}_decide', function(keys, args) return {{ 7 }} end)"
+    );
+    assert_eq!(server.cli(&["function", "load", &old_lib]), old);
+    let name = &library().name;
+    assert!(name.starts_with("tollgate_v") && name != old);
+
+    let stores: Vec<RedisStore> = (0..2)
+        .map(|_| RedisStore::connect(settings(server.url(), Duration::from_secs(2))).unwrap())
+        .collect();
+    let loaded = wait_for(Duration::from_secs(5), || {
+        server.cli(&["function", "list"]).contains(name.as_str())
+    })
+    .await;
+    assert!(loaded.is_some(), "{name} not loaded at connect");
+    let stats = server.cli(&["info", "commandstats"]);
+    // The test's own load, then this version's: loaded by one instance, found there by the
+    // other (a failed call, which compiled nothing).
+    assert_eq!(command_calls(&stats, "function|load"), (3, 1), "{stats}");
+    assert_eq!(command_calls(&stats, "fcall").0, 0);
+
+    let algs = one_of_each(60_000);
+    let keys: Vec<String> = (0..algs.len())
+        .map(|i| format!("tg:{{versions/{i}}}"))
+        .collect();
+    let limits = limits(&algs, &keys);
+    for (i, store) in stores.iter().enumerate() {
+        let d = store.decide(&limits, None).await.unwrap();
+        assert!(d.admitted);
+        assert_eq!(store.script_path(), ScriptPath::Functions);
+        let remaining = match d.per_limit[0] {
+            LimitVerdict::Admitted { snapshot, .. } => snapshot.remaining,
+            LimitVerdict::Rejected(r) => panic!("rejected: {r:?}"),
+        };
+        assert_eq!(remaining, 4 - i as u64, "the two instances share the key");
+    }
+    let stats = server.cli(&["info", "commandstats"]);
+    assert_eq!(
+        command_calls(&stats, "fcall"),
+        (2, 0),
+        "no call found it missing"
+    );
+    assert_eq!(command_calls(&stats, "evalsha").0, 0);
+    let list = server.cli(&["function", "list"]);
+    assert!(list.contains(old) && list.contains(name.as_str()), "{list}");
+    assert_eq!(
+        server.cli(&["fcall", &format!("{old}_decide"), "0"]),
+        "7",
+        "the other version's library still answers"
+    );
+    for store in stores {
+        store.shutdown().await;
+    }
+}
+
+/// bench/library_lua.sh, which bench/script.sh loads, prints the library tollgate loads.
+#[test]
+fn bench_library_lua_prints_the_library_tollgate_loads() {
+    let out =
+        std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/bench/library_lua.sh"))
+            .output()
+            .expect("bench/library_lua.sh runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8(out.stdout).unwrap() == library().source);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

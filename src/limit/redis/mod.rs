@@ -24,8 +24,12 @@
 //!   opens and [`RedisStore::decide`] answers [`RedisError::Unavailable`] at once; a
 //!   background PING every [`PROBE_EVERY`] closes it as soon as Redis answers, so decisions
 //!   return to Redis within about a second of it coming back. The caller applies `on_error`.
-//! - **Scripts** are sent by SHA; after a Redis restart or `SCRIPT FLUSH` the `NOSCRIPT`
-//!   reply triggers a reload and one retry, transparently.
+//! - **Scripts** are functions of one library (`FCALL`, Redis ≥ 7), loaded on every primary
+//!   at connect, whose name carries a digest of its code so that two tollgate versions can
+//!   share a Redis during a rollout; on an older Redis they are sent by SHA (`EVALSHA`). After
+//!   a Redis restart, `FUNCTION FLUSH`, `SCRIPT FLUSH` or a failover to a node without them,
+//!   the `Function not found` or `NOSCRIPT` reply triggers a reload and one retry,
+//!   transparently.
 //!
 //! A command that timed out on our side may still run on Redis later (nothing can recall a
 //! command already written); it then consumes units of a request that was answered by the
@@ -39,7 +43,10 @@ mod script;
 
 pub use breaker::{Breaker, Health, Transition};
 pub use error::RedisError;
-pub use script::{DECIDE_LUA, MAX_PARAM, PEEK_LUA, REFUND_LUA, check_params, hash_tag, redis_keys};
+pub use script::{
+    DECIDE_LUA, LIBRARY_LUA, Library, MAX_PARAM, PEEK_LUA, REFUND_LUA, ScriptPath, check_params,
+    hash_tag, library, redis_keys,
+};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,11 +59,10 @@ use fred::prelude::{
     ServerConfig,
 };
 use fred::types::config::UnresponsiveConfig;
-use fred::types::scripts::Script;
 use tokio::task::JoinSet;
 
 use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
-use script::{DecideReply, Scripts};
+use script::{Call, DecideReply, Scripts};
 
 /// Consecutive outage failures that open the breaker.
 pub const BREAKER_THRESHOLD: u32 = 3;
@@ -151,6 +157,7 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("cluster", &self.inner.cluster)
             .field("timeout", &self.inner.timeout)
+            .field("scripts", &self.inner.scripts.path())
             .field("health", &self.inner.breaker().health())
             .finish()
     }
@@ -198,7 +205,7 @@ impl Inner {
     /// One script call, bounded by the timeout and counted by the breaker.
     async fn eval(
         &self,
-        script: &Script,
+        call: Call,
         keys: Vec<String>,
         args: Vec<i64>,
     ) -> Result<Vec<i64>, RedisError> {
@@ -209,9 +216,7 @@ impl Inner {
             if !client.is_connected() {
                 client.wait_for_connect().await?;
             }
-            script
-                .evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args)
-                .await
+            self.scripts.run(client, call, keys, args).await
         };
         // A hair longer than fred's own timeout (the same `timeout`, started a moment later),
         // so that fred's fires first: it marks the command timed out, and fred then never
@@ -339,6 +344,12 @@ impl RedisStore {
     /// while Redis is down (the breaker then opens and the probe waits for Redis). Fails
     /// only on a bad URL or outside a Tokio runtime.
     pub fn connect(settings: RedisSettings) -> Result<Self, RedisError> {
+        Self::connect_with(settings, ScriptPath::Functions)
+    }
+
+    /// [`RedisStore::connect`] with the way scripts reach Redis chosen: `Evalsha` keeps a
+    /// Redis ≥ 7 on the path older servers take (tests run both; an escape hatch).
+    pub fn connect_with(settings: RedisSettings, path: ScriptPath) -> Result<Self, RedisError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             RedisError::Connection("RedisStore::connect needs a Tokio runtime".to_string())
         })?;
@@ -383,7 +394,7 @@ impl RedisStore {
             pool,
             cluster,
             timeout,
-            scripts: Scripts::new(),
+            scripts: Scripts::new(path),
             breaker: Mutex::new(Breaker::new(BREAKER_THRESHOLD, PROBE_EVERY)),
             shut_down: AtomicBool::new(false),
         });
@@ -393,6 +404,9 @@ impl RedisStore {
             runtime.spawn(log_connection_errors(client.error_rx(), logged.clone()));
         }
         runtime.spawn(probe_loop(Arc::downgrade(&inner)));
+        if path == ScriptPath::Functions {
+            runtime.spawn(load_library(Arc::downgrade(&inner)));
+        }
         Ok(Self { inner })
     }
 
@@ -426,10 +440,7 @@ impl RedisStore {
         if groups.len() == 1 {
             let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
             let (keys, args) = script::decide_call(&all, shadow, now_override)?;
-            let reply = self
-                .inner
-                .eval(&self.inner.scripts.decide, keys, args)
-                .await?;
+            let reply = self.inner.eval(Call::Decide, keys, args).await?;
             let reply = script::decode_decide(&reply, limits.len(), shadow)?;
             return Ok(Decision {
                 admitted: reply.admitted,
@@ -489,7 +500,7 @@ impl RedisStore {
             for (g, (((keys, args), _), _)) in calls.iter().enumerate() {
                 let inner = Arc::clone(&inner);
                 let (keys, args) = (keys.clone(), args.clone());
-                set.spawn(async move { (g, inner.eval(&inner.scripts.decide, keys, args).await) });
+                set.spawn(async move { (g, inner.eval(Call::Decide, keys, args).await) });
             }
             let mut replies: Vec<Option<Result<DecideReply, RedisError>>> = vec![None; calls.len()];
             while let Some(joined) = set.join_next().await {
@@ -529,7 +540,7 @@ impl RedisStore {
                                 max_delay,
                             };
                             let result = match script::refund_call(&limit, at, now_override) {
-                                Ok((keys, args)) => inner.eval(&inner.scripts.refund, keys, args).await.map(|_| ()),
+                                Ok((keys, args)) => inner.eval(Call::Refund, keys, args).await.map(|_| ()),
                                 Err(e) => Err(e),
                             };
                             if let Err(e) = result {
@@ -585,10 +596,7 @@ impl RedisStore {
     ) -> Result<(Snapshot, Micros), RedisError> {
         self.inner.check_breaker()?;
         let (keys, args) = script::peek_call(limit, now_override)?;
-        let reply = self
-            .inner
-            .eval(&self.inner.scripts.peek, keys, args)
-            .await?;
+        let reply = self.inner.eval(Call::Peek, keys, args).await?;
         script::decode_peek(&reply)
     }
 
@@ -602,10 +610,7 @@ impl RedisStore {
     ) -> Result<bool, RedisError> {
         self.inner.check_breaker()?;
         let (keys, args) = script::refund_call(limit, committed_at, now_override)?;
-        let reply = self
-            .inner
-            .eval(&self.inner.scripts.refund, keys, args)
-            .await?;
+        let reply = self.inner.eval(Call::Refund, keys, args).await?;
         Ok(reply.first() == Some(&1))
     }
 
@@ -626,7 +631,7 @@ impl RedisStore {
         let reply = self
             .inner
             .eval(
-                &self.inner.scripts.sync,
+                Call::Sync,
                 vec![curr_key, prev_key],
                 vec![
                     arg(push_curr),
@@ -661,7 +666,7 @@ impl RedisStore {
         let reply = self
             .inner
             .eval(
-                &self.inner.scripts.sync_gcra,
+                Call::SyncGcra,
                 vec![key],
                 vec![arg(units), arg(interval), arg(tau)],
             )
@@ -686,6 +691,11 @@ impl RedisStore {
 
     pub fn is_cluster(&self) -> bool {
         self.inner.cluster
+    }
+
+    /// `Functions` until Redis has shown it has none; then `Evalsha`.
+    pub fn script_path(&self) -> ScriptPath {
+        self.inner.scripts.path()
     }
 
     /// One PING within the timeout, whatever the breaker says; its outcome feeds the breaker.
@@ -782,6 +792,39 @@ async fn log_connection_errors(
 
 /// How often one unchanged connection error is logged again.
 const ERROR_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Loads the function library on every primary as soon as Redis answers, so that the first
+/// decisions do not each find the function missing and load it; finds out on the way whether
+/// the server has functions at all. Tries again while Redis cannot be reached, and gives up on
+/// any other error: calls then load the library themselves, and report what fails.
+async fn load_library(inner: Weak<Inner>) {
+    loop {
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.shut_down.load(Ordering::SeqCst) {
+            return;
+        }
+        let client = inner.pool.next_connected();
+        let attempt = async {
+            client.wait_for_connect().await?;
+            inner.scripts.load_library(client).await
+        };
+        let error = match tokio::time::timeout(Duration::from_secs(1), attempt).await {
+            Ok(Ok(true)) => {
+                tracing::debug!(library = %library().name, "redis function library loaded");
+                return;
+            }
+            Ok(Ok(false)) => return,
+            Ok(Err(e)) => RedisError::from(e),
+            Err(_) => RedisError::Timeout,
+        };
+        if !error.is_outage() {
+            tracing::warn!(error = %error, "loading the redis function library failed");
+            return;
+        }
+        drop(inner);
+        tokio::time::sleep(PROBE_EVERY).await;
+    }
+}
 
 /// PINGs while the breaker is open or Redis never answered. Holds only a weak reference,
 /// so it ends with the last [`RedisStore`] clone (or at shutdown).

@@ -1,9 +1,16 @@
 //! The wire format between [`RedisStore`](super::RedisStore) and the Lua scripts: script
-//! sources, key names, ARGV encoding and reply decoding. The layouts are documented at the
-//! top of `lua/decide.lua`, `lua/refund.lua` and `lua/peek.lua`; this file is their only
-//! Rust counterpart.
+//! sources, the function library, key names, ARGV encoding and reply decoding. The layouts are
+//! documented at the top of `lua/decide.lua`, `lua/refund.lua` and `lua/peek.lua`; this file is
+//! their only Rust counterpart.
 
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use fred::clients::Client;
+use fred::error::Error as FredError;
+use fred::interfaces::FunctionInterface;
 use fred::types::scripts::Script;
+use fred::types::{MultipleKeys, MultipleValues};
 
 use super::{GlobalLimit, LimitVerdict, RedisError};
 use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
@@ -58,24 +65,258 @@ pub const REPLY_PER_LIMIT: usize = 4;
 /// ARGV value meaning "use the server's clock".
 const SERVER_CLOCK: i64 = -1;
 
-#[derive(Clone, Debug)]
+/// library.lua, the function library's skeleton: each `--@ <file>` line stands for that file.
+pub const LIBRARY_LUA: &str = include_str!("lua/library.lua");
+
+/// The files library.lua includes, by the name its `--@` lines give.
+const LIBRARY_PARTS: [(&str, &str); 8] = [
+    ("gcra.lua", include_str!("lua/gcra.lua")),
+    ("lib.lua", include_str!("lua/lib.lua")),
+    ("decide_gcra.lua", include_str!("lua/decide_gcra.lua")),
+    ("decide.lua", include_str!("lua/decide.lua")),
+    ("refund.lua", include_str!("lua/refund.lua")),
+    ("peek.lua", include_str!("lua/peek.lua")),
+    ("sync.lua", include_str!("lua/sync.lua")),
+    ("sync_gcra.lua", include_str!("lua/sync_gcra.lua")),
+];
+
+/// The function library as loaded with `FUNCTION LOAD`: its name carries a digest of its code,
+/// so a tollgate whose Lua differs loads a library of another name instead of replacing the
+/// one the instances of the previous version still call (see library.lua).
+#[derive(Debug)]
+pub struct Library {
+    /// `tollgate_v` and 12 hex digits of the SHA-1 of the expanded code.
+    pub name: String,
+    /// What `FUNCTION LOAD` gets: the `#!lua name=` line, `local LIB = '<name>'`, the code.
+    pub source: String,
+    /// Function names, in [`Call`] order.
+    functions: [String; 5],
+}
+
+/// library.lua with its `--@` lines replaced by the files they name. bench/library_lua.sh does
+/// the same with awk, byte for byte: every line ends with "\n", an included file's last line
+/// too.
+fn expand_library(skeleton: &str, parts: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(64 * 1024);
+    for line in skeleton.lines() {
+        match line.strip_prefix("--@ ") {
+            Some(file) => {
+                let (_, text) = parts
+                    .iter()
+                    .find(|(name, _)| *name == file.trim())
+                    .unwrap_or_else(|| panic!("library.lua includes unknown file {file:?}"));
+                out.push_str(text);
+                if !text.ends_with('\n') {
+                    out.push('\n');
+                }
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+impl Library {
+    fn build() -> Self {
+        let code = expand_library(LIBRARY_LUA, &LIBRARY_PARTS);
+        let name = format!("tollgate_v{}", &fred::util::sha1_hash(&code)[..12]);
+        let source = format!("#!lua name={name}\nlocal LIB = '{name}'\n{code}");
+        let functions = Call::ALL.map(|call| format!("{name}_{}", call.function()));
+        Self {
+            name,
+            source,
+            functions,
+        }
+    }
+
+    /// The name `FCALL` calls `call` by.
+    pub fn function(&self, call: Call) -> &str {
+        &self.functions[call as usize]
+    }
+}
+
+/// The library this build loads; assembled once.
+pub fn library() -> &'static Library {
+    static LIBRARY: LazyLock<Library> = LazyLock::new(Library::build);
+    &LIBRARY
+}
+
+/// The scripts' entry points, each an EVALSHA script and a function of the library.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    Decide = 0,
+    Refund = 1,
+    Peek = 2,
+    Sync = 3,
+    SyncGcra = 4,
+}
+
+impl Call {
+    const ALL: [Call; 5] = [
+        Call::Decide,
+        Call::Refund,
+        Call::Peek,
+        Call::Sync,
+        Call::SyncGcra,
+    ];
+
+    /// The function's name in library.lua, after the library's name and `_`.
+    fn function(self) -> &'static str {
+        match self {
+            Call::Decide => "decide",
+            Call::Refund => "refund",
+            Call::Peek => "peek",
+            Call::Sync => "sync",
+            Call::SyncGcra => "sync_gcra",
+        }
+    }
+}
+
+/// How the scripts reach Redis.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ScriptPath {
+    /// `FCALL` of the function library, loaded once per primary, where the server has
+    /// functions (Redis ≥ 7); `EVALSHA` from the first sign that it has not.
+    #[default]
+    Functions,
+    /// `EVALSHA` only: every call also runs the helpers' top level (see [`DECIDE_LUA`]).
+    Evalsha,
+}
+
+/// Both ways of running each entry point, and which one this store uses.
+#[derive(Debug)]
 pub struct Scripts {
-    pub decide: Script,
-    pub refund: Script,
-    pub peek: Script,
-    pub sync: Script,
-    pub sync_gcra: Script,
+    decide: Script,
+    refund: Script,
+    peek: Script,
+    sync: Script,
+    sync_gcra: Script,
+    library: &'static Library,
+    /// Set when forced to, or once Redis turned `FCALL` or `FUNCTION LOAD` down as unknown (or
+    /// not permitted): from then on every call is an EVALSHA, which every Redis has.
+    evalsha_only: AtomicBool,
+}
+
+/// An error reply saying this server (or this user) cannot use functions at all: Redis < 7
+/// (`unknown command`), or an ACL without FCALL / FUNCTION.
+fn functions_unsupported(e: &FredError) -> bool {
+    let details = e.details();
+    details.starts_with("ERR unknown command") || details.starts_with("NOPERM")
+}
+
+/// The error reply of an `FCALL` to a function the node does not have: never loaded there,
+/// or gone with `FUNCTION FLUSH`, a restart without persistence, a failover to a node that
+/// never got it, a new Cluster node.
+fn function_missing(e: &FredError) -> bool {
+    e.details().starts_with("ERR Function not found")
+}
+
+/// `FUNCTION LOAD`'s reply when a library of that name is there: this very code, since the
+/// name is its digest, loaded by another instance or an earlier connection.
+fn library_exists(e: &FredError) -> bool {
+    let details = e.details();
+    details.starts_with("ERR Library") && details.ends_with("already exists")
 }
 
 impl Scripts {
-    pub fn new() -> Self {
+    pub fn new(path: ScriptPath) -> Self {
         Self {
             decide: Script::from_lua(DECIDE_LUA),
             refund: Script::from_lua(REFUND_LUA),
             peek: Script::from_lua(PEEK_LUA),
             sync: Script::from_lua(SYNC_LUA),
             sync_gcra: Script::from_lua(SYNC_GCRA_LUA),
+            library: library(),
+            evalsha_only: AtomicBool::new(path == ScriptPath::Evalsha),
         }
+    }
+
+    pub fn path(&self) -> ScriptPath {
+        if self.evalsha_only.load(Ordering::Relaxed) {
+            ScriptPath::Evalsha
+        } else {
+            ScriptPath::Functions
+        }
+    }
+
+    fn script(&self, call: Call) -> &Script {
+        match call {
+            Call::Decide => &self.decide,
+            Call::Refund => &self.refund,
+            Call::Peek => &self.peek,
+            Call::Sync => &self.sync,
+            Call::SyncGcra => &self.sync_gcra,
+        }
+    }
+
+    fn fall_back(&self, why: &FredError) {
+        if !self.evalsha_only.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                reply = why.details(),
+                "redis has no functions for tollgate; scripts go by EVALSHA"
+            );
+        }
+    }
+
+    /// `FUNCTION LOAD` of the library on every primary (one on a single Redis). Without
+    /// REPLACE: a library of this name already there is this code, and Redis answers so before
+    /// compiling anything, so a fleet starting up compiles it once per node, not once per
+    /// instance, and nothing of another version is ever replaced. `Ok(false)`: the server has
+    /// no functions, and this store now uses EVALSHA.
+    pub async fn load_library(&self, client: &Client) -> Result<bool, FredError> {
+        if self.evalsha_only.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        match client
+            .function_load_cluster::<fred::types::Value, _>(false, self.library.source.as_str())
+            .await
+        {
+            Ok(_) => Ok(true),
+            // On a cluster, some primaries may have had it and others not: fred sends the load
+            // to every one of them and answers with one of their errors.
+            Err(e) if library_exists(&e) => Ok(true),
+            Err(e) if functions_unsupported(&e) => {
+                self.fall_back(&e);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Runs `call`: an `FCALL` of the library's function, which is loaded again and called
+    /// once more if the node has lost it (as EVALSHA does after `NOSCRIPT`); an EVALSHA when
+    /// the server has no functions or the store was told to use EVALSHA. A call Redis turned
+    /// down as unknown or missing never ran, so calling again cannot charge twice.
+    pub async fn run(
+        &self,
+        client: &Client,
+        call: Call,
+        keys: Vec<String>,
+        args: Vec<i64>,
+    ) -> Result<Vec<i64>, FredError> {
+        let keys = MultipleKeys::from(keys);
+        let args = MultipleValues::try_from(args)?;
+        if !self.evalsha_only.load(Ordering::Relaxed) {
+            let function = self.library.function(call);
+            match client
+                .fcall::<Vec<i64>, _, _, _>(function, keys.clone(), args.clone())
+                .await
+            {
+                Err(e) if function_missing(&e) => {
+                    if self.load_library(client).await? {
+                        return client.fcall(function, keys, args).await;
+                    }
+                }
+                Err(e) if functions_unsupported(&e) => self.fall_back(&e),
+                result => return result,
+            }
+        }
+        self.script(call)
+            .evalsha_with_reload(client, keys, args)
+            .await
     }
 }
 
@@ -335,6 +576,65 @@ mod tests {
             count,
             period,
             burst: count,
+        }
+    }
+
+    #[test]
+    fn the_library_holds_every_part_and_is_named_by_its_code() {
+        let lib = library();
+        let code = expand_library(LIBRARY_LUA, &LIBRARY_PARTS);
+        assert!(!code.lines().any(|l| l.starts_with("--@")));
+        for (name, text) in LIBRARY_PARTS {
+            assert!(code.contains(text), "{name} missing from the library");
+        }
+        assert_eq!(lib.name.len(), "tollgate_v".len() + 12);
+        assert_eq!(
+            lib.source,
+            format!("#!lua name={0}\nlocal LIB = '{0}'\n{code}", lib.name)
+        );
+        for call in Call::ALL {
+            let function = lib.function(call);
+            assert_eq!(function, format!("{}_{}", lib.name, call.function()));
+            assert!(
+                code.contains(&format!("LIB .. '_{}'", call.function())),
+                "{function} not registered"
+            );
+        }
+        // One byte of difference, another library: versions never replace each other.
+        let other = expand_library(&format!("{LIBRARY_LUA} "), &LIBRARY_PARTS);
+        assert_ne!(
+            fred::util::sha1_hash(&other)[..12],
+            fred::util::sha1_hash(&code)[..12]
+        );
+    }
+
+    #[test]
+    fn error_replies_are_told_apart() {
+        use fred::error::ErrorKind;
+        let reply = |text: &str| FredError::new(ErrorKind::Unknown, text.to_string());
+        // Redis 7.0 and 6.2 spell an unknown command differently.
+        for text in [
+            "ERR unknown command 'fcall', with args beginning with: 'x' '0' ",
+            "ERR unknown command `FUNCTION`, with args beginning with: `LOAD`, ",
+            "NOPERM this user has no permissions to run the 'fcall' command",
+        ] {
+            assert!(functions_unsupported(&reply(text)), "{text}");
+            assert!(!function_missing(&reply(text)) && !library_exists(&reply(text)));
+        }
+        assert!(function_missing(&reply("ERR Function not found")));
+        assert!(library_exists(&reply(
+            "ERR Library 'tollgate_v0123456789ab' already exists"
+        )));
+        for text in [
+            "ERR Error running script (call to f_x): @user_script:1: boom",
+            "NOSCRIPT No matching script. Please use EVAL.",
+            "ERR Error registering functions: ERR Function x already exists",
+        ] {
+            let e = reply(text);
+            assert!(
+                !functions_unsupported(&e) && !function_missing(&e) && !library_exists(&e),
+                "{text}"
+            );
         }
     }
 
