@@ -406,7 +406,7 @@ redis_stats() {
                 if ($i == "failed_calls" || $i == "rejected_calls") bad += $(i + 1)
             }
             if (name == "info") next
-            if (name ~ /^(evalsha|evalsha_ro|eval|eval_ro|script\|)/) rt += calls; else other += calls
+            if (name ~ /^(evalsha|evalsha_ro|eval|eval_ro|fcall|fcall_ro|script\||function\|)/) rt += calls; else other += calls
         }
         END { printf "%d %d %d\n", rt, other, bad }'
 }
