@@ -5,18 +5,19 @@
 //! counted in [`metrics`]; [`config`] validates `routes.yaml` into the types a config
 //! [`snapshot`] is built from, and [`app`] wires it all and runs it; [`admin`] serves the operator
 //! endpoints on their own listener.
+#![warn(unreachable_pub)]
 
-pub mod admin;
+mod admin;
 pub mod alloc;
 pub mod app;
 pub mod config;
-pub mod connector;
+mod connector;
 pub mod key;
 pub mod limit;
-pub mod listener;
+mod listener;
 pub mod metrics;
-pub mod proxy;
-pub mod routing;
-pub mod snapshot;
-pub mod state;
-pub mod tls;
+mod proxy;
+mod routing;
+mod snapshot;
+mod state;
+mod tls;

@@ -80,7 +80,7 @@ impl Upstream {
 }
 
 /// A request's upstreams in the order to try them (see [`Route::upstream_order`]).
-pub type UpstreamOrder<'a> = smallvec::SmallVec<[&'a Upstream; 4]>;
+pub(crate) type UpstreamOrder<'a> = smallvec::SmallVec<[&'a Upstream; 4]>;
 
 #[derive(Debug)]
 pub struct Route {

@@ -14,11 +14,11 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
 /// ALPN protocol ids, most preferred first.
-pub const ALPN_H2: &[u8] = b"h2";
-pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+pub(crate) const ALPN_H2: &[u8] = b"h2";
+pub(crate) const ALPN_HTTP11: &[u8] = b"http/1.1";
 
 /// The one crypto provider tollgate uses.
-pub fn provider() -> Arc<CryptoProvider> {
+pub(crate) fn provider() -> Arc<CryptoProvider> {
     static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
     PROVIDER
         .get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
@@ -26,7 +26,7 @@ pub fn provider() -> Arc<CryptoProvider> {
 }
 
 /// Every certificate in a PEM file, in file order (for a chain: leaf first).
-pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+pub(crate) fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     let bytes = read(path)?;
     let certs = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<Vec<_>, _>>()
@@ -41,7 +41,7 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
 }
 
 /// The first private key in a PEM file: PKCS#8, PKCS#1 (RSA) or SEC1 (EC).
-pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+pub(crate) fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
     let bytes = read(path)?;
     PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| match e {
         pem::Error::NoItemsFound => format!(
@@ -58,7 +58,7 @@ fn read(path: &Path) -> Result<Vec<u8>, String> {
 
 /// The listener's config: one certificate chain and its key, ALPN `h2` + `http/1.1`.
 /// Refuses a key that does not belong to the chain's first certificate.
-pub fn server_config(
+pub(crate) fn server_config(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<Arc<ServerConfig>, String> {
@@ -79,7 +79,7 @@ pub fn server_config(
 }
 
 /// Checks that every certificate of a CA bundle can serve as a trust anchor.
-pub fn check_roots(certs: &[CertificateDer<'static>]) -> Result<(), String> {
+pub(crate) fn check_roots(certs: &[CertificateDer<'static>]) -> Result<(), String> {
     let mut store = RootCertStore::empty();
     for (i, cert) in certs.iter().enumerate() {
         store.add(cert.clone()).map_err(|e| {
@@ -112,7 +112,7 @@ fn system_roots() -> &'static [CertificateDer<'static>] {
 
 /// The upstream side: system roots plus `extra` (`server.upstream_ca`), no client certificate,
 /// no ALPN (the connector sets it).
-pub fn client_config(extra: &[CertificateDer<'static>]) -> ClientConfig {
+pub(crate) fn client_config(extra: &[CertificateDer<'static>]) -> ClientConfig {
     let mut roots = RootCertStore::empty();
     let (_, ignored) = roots.add_parsable_certificates(system_roots().iter().cloned());
     if ignored > 0 {

@@ -19,7 +19,7 @@ use serde_json::json;
 use crate::metrics::Format;
 use crate::state::Shared;
 
-pub fn router(shared: Arc<Shared>) -> Router {
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
     let admin = Router::new()
         .route("/admin/config", get(config))
         .route("/admin/limits/{route}/{limit}", get(limit_state))

@@ -111,7 +111,7 @@ pub(super) enum OneOrMany {
 
 impl OneOrMany {
     /// Each item with its position; `at` is where the whole node is.
-    pub fn items(self, at: Location) -> Vec<Text> {
+    pub(super) fn items(self, at: Location) -> Vec<Text> {
         match self {
             Self::One(value) => vec![Spanned::new(value, at, at)],
             Self::Many(items) => items,

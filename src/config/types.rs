@@ -106,7 +106,7 @@ impl Serialize for UpstreamCa {
 }
 
 /// What `/admin/config` shows instead of a secret.
-pub const REDACTED: &str = "<redacted>";
+pub(super) const REDACTED: &str = "<redacted>";
 
 /// Absolute: the path was resolved against the config file's directory, so shown relative it
 /// would resolve twice in a file saved from `/admin/config` next to the original.

@@ -34,8 +34,8 @@ use super::{Body, STALE_RETRIES, UpstreamError};
 
 /// Longer than nginx's default `keepalive_timeout` (75 s) would be pointless: an upstream closes
 /// its end first, and its connections are noticed closed here.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-pub const MAX_IDLE: usize = 1024;
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+pub(crate) const MAX_IDLE: usize = 1024;
 /// How often idle connections are checked while they sit unused.
 const REAP_EVERY: Duration = Duration::from_secs(15);
 
@@ -164,7 +164,7 @@ impl Host {
 
 /// Sends `req` (origin-form URI, `Host` set) to `host` over a kept-alive connection or a new one;
 /// the response body hands the connection back when it ends.
-pub async fn send(
+pub(crate) async fn send(
     connector: &HttpConnector,
     host: &Arc<Host>,
     mut req: Request<Body>,

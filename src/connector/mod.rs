@@ -34,8 +34,8 @@ use rustls::pki_types::CertificateDer;
 use tokio::net::TcpStream;
 use tower::ServiceExt;
 
-pub mod http1;
-pub mod raw;
+pub(crate) mod http1;
+pub(crate) mod raw;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,16 +46,16 @@ use http_body_util::combinators::BoxBody;
 use self::http1::Host;
 
 /// The one body type for everything the hyper codec sends: upstream bodies and its own.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
 
 /// TCP connect to a plain upstream, on either pool.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A request is tried on at most this many pooled connections that turn out closed, then on a
 /// new one.
-pub const STALE_RETRIES: usize = 4;
+pub(crate) const STALE_RETRIES: usize = 4;
 /// How long an upstream that refused a connection is tried after its route's others: nginx's
 /// `max_fails=1 fail_timeout=10s` default.
-pub const FAIL_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const FAIL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Everything kept for one plain upstream authority, shared by every route and every config
 /// snapshot that names it.

@@ -29,7 +29,7 @@ const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The listener speaks TLS when the config it starts with has `server.tls`. Each new connection
 /// takes the certificate of the config running at its accept, so a reload with renewed files
 /// rotates the certificate without a restart; turning TLS on or off needs one.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
     shutdown: impl Future<Output = ()>,

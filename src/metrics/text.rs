@@ -66,7 +66,7 @@ impl Format {
 ///
 /// Sample timestamps (seconds in OpenMetrics, milliseconds here) are not converted: the crate
 /// never writes them.
-pub fn openmetrics_to_text(openmetrics: &str, out: &mut String) {
+pub(super) fn openmetrics_to_text(openmetrics: &str, out: &mut String) {
     out.reserve(openmetrics.len() + 256);
     // A HELP line waits for its TYPE, which says whether its name takes a suffix.
     let mut help: Option<(&str, &str)> = None;

@@ -18,17 +18,17 @@ use tokio::time::{Instant, Sleep};
 
 use super::Body;
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Put on a response by the forwarding code: when its upstream exchange must be over.
 #[derive(Clone, Debug)]
-pub struct BodyDeadline {
+pub(crate) struct BodyDeadline {
     pub at: Instant,
     pub route: Arc<str>,
 }
 
 /// The body hyper serves: as the handler made it, or cut at its deadline.
-pub enum Served {
+pub(crate) enum Served {
     Plain(Body),
     Timed {
         body: Body,
@@ -38,7 +38,7 @@ pub enum Served {
 }
 
 impl Served {
-    pub fn new(body: Body, deadline: Option<BodyDeadline>) -> Self {
+    pub(crate) fn new(body: Body, deadline: Option<BodyDeadline>) -> Self {
         match deadline {
             Some(d) if !body.is_end_stream() => Served::Timed {
                 body,

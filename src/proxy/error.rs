@@ -14,7 +14,7 @@ use crate::snapshot::Route;
 
 /// Why tollgate answers instead of the upstream.
 #[derive(Debug, thiserror::Error)]
-pub enum ProxyError {
+pub(crate) enum ProxyError {
     /// The client's request is malformed for a proxy (target, path, `Host`, body framing).
     #[error("bad request: {0}")]
     BadRequest(&'static str),
@@ -83,7 +83,7 @@ impl From<io::Error> for ProxyError {
 }
 
 /// Where [`rescue`] writes its answer: a `Response` for hyper, bytes for the fast codec.
-pub trait AnswerWriter {
+pub(crate) trait AnswerWriter {
     /// The answer's status, first.
     fn status(&mut self, status: StatusCode);
     /// A header field of the answer.
@@ -101,7 +101,7 @@ static ALLOWED: &[u8] = b"GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, TRACE";
 
 /// The answer to `e` on `route` (none before routing), written to `out`, and logged. `None`
 /// when there is nobody to answer ([`ProxyError::ClientGone`]); else the status written.
-pub fn rescue(
+pub(crate) fn rescue(
     e: &ProxyError,
     route: Option<&Route>,
     out: &mut impl AnswerWriter,
@@ -259,7 +259,7 @@ fn push_json_str(b: &mut Vec<u8>, s: &str) {
 
 /// An error and its causes on one line, without the repeats some layers add ("client error
 /// (Connect): invalid peer certificate: UnknownIssuer").
-pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+pub(crate) struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl std::fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -13,7 +13,7 @@ use crate::snapshot::ConfigSnapshot;
 /// One exchange, from its head until its answer has been sent or abandoned. The codec owns it
 /// for as long as the answer is being sent: the fast codec on its stack, the hyper codec inside
 /// the response body ([`super::Guarded`]), so a body dropped half-sent still ends it.
-pub struct ExchangeEnd {
+pub(crate) struct ExchangeEnd {
     snapshot: Arc<ConfigSnapshot>,
     /// Index of the route, once routed; `None` counts under `_unmatched`.
     route: Option<usize>,
@@ -25,7 +25,7 @@ pub struct ExchangeEnd {
 impl ExchangeEnd {
     /// An exchange whose head arrived at `started`, served on `snapshot`.
     #[inline]
-    pub fn begin(snapshot: Arc<ConfigSnapshot>, started: Instant) -> Self {
+    pub(crate) fn begin(snapshot: Arc<ConfigSnapshot>, started: Instant) -> Self {
         Self {
             snapshot,
             route: None,
@@ -36,25 +36,25 @@ impl ExchangeEnd {
 
     /// The config the exchange is served on, for its whole life.
     #[inline]
-    pub fn snapshot(&self) -> &Arc<ConfigSnapshot> {
+    pub(crate) fn snapshot(&self) -> &Arc<ConfigSnapshot> {
         &self.snapshot
     }
 
     /// The route, once routed.
     #[inline]
-    pub fn route(&self) -> Option<&crate::snapshot::Route> {
+    pub(crate) fn route(&self) -> Option<&crate::snapshot::Route> {
         self.route.map(|i| &self.snapshot.routes[i])
     }
 
     /// The exchange was routed to the route at `idx`.
     #[inline]
-    pub fn routed(&mut self, idx: usize) {
+    pub(crate) fn routed(&mut self, idx: usize) {
         self.route = Some(idx);
     }
 
     /// The answer's head went out with `status`: counted in `tollgate_requests_total`.
     #[inline]
-    pub fn answered(&self, status: u16) {
+    pub(crate) fn answered(&self, status: u16) {
         match self.route {
             Some(i) => self.snapshot.routes[i].metrics.request(status),
             None => self.snapshot.unmatched.request(status),
@@ -63,7 +63,7 @@ impl ExchangeEnd {
 
     /// Ends the exchange at `now` (a clock read the caller needed anyway).
     #[inline]
-    pub fn end_at(mut self, now: Instant) {
+    pub(crate) fn end_at(mut self, now: Instant) {
         self.finish(now);
     }
 

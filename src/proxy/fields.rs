@@ -4,7 +4,7 @@
 
 /// The names the proxy acts on; everything else is copied through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Name {
+pub(crate) enum Name {
     Other,
     Host,
     ContentLength,
@@ -25,7 +25,7 @@ pub enum Name {
 }
 
 /// The [`Name`] of a field name, in any letter case.
-pub fn classify(name: &[u8]) -> Name {
+pub(crate) fn classify(name: &[u8]) -> Name {
     let is = |s: &str| name.eq_ignore_ascii_case(s.as_bytes());
     match name.len() {
         2 if is("te") => Name::HopByHop,

@@ -32,7 +32,7 @@ use crate::snapshot::{ConfigSnapshot, Route, Upstream};
 
 /// Phase 4 on the hyper codec: the request rewritten by the header rules, sent to the route's
 /// upstreams in order, and the response head filtered back by the response rule.
-pub async fn forward(
+pub(crate) async fn forward(
     gateway: &Gateway,
     route: &Route,
     mut req: Request<Incoming>,

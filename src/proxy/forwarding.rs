@@ -16,12 +16,12 @@ use super::request_id::X_REQUEST_ID;
 use super::response::{RATELIMIT, RATELIMIT_POLICY, push_ratelimit};
 use crate::limit::{HeaderInfo, Limit};
 
-pub static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
-pub static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
-pub static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub(crate) static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub(crate) static XFP: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub(crate) static XFH: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// A head's fields as a codec holds them.
-pub trait HeadView {
+pub(crate) trait HeadView {
     /// What a codec needs to pass or drop a field it holds (nothing, for one that copies bytes).
     type Handle: ?Sized;
 
@@ -33,7 +33,7 @@ pub trait HeadView {
 }
 
 /// Where a rule's decisions go; each codec renders them its own way.
-pub trait HeadWriter<H: ?Sized> {
+pub(crate) trait HeadWriter<H: ?Sized> {
     /// The field goes on as it came.
     fn pass(&mut self, field: &H, kind: Name, name: &[u8], value: &[u8]);
     /// The field does not go on.
@@ -49,7 +49,7 @@ pub trait HeadWriter<H: ?Sized> {
 }
 
 /// What the request rule needs beyond the client's fields.
-pub struct RequestRule<'a> {
+pub(crate) struct RequestRule<'a> {
     /// The peer is one of `trusted_proxies`: its `X-Forwarded-Proto` and `-Host` are believed.
     pub trusted: bool,
     /// This listener's scheme, for `X-Forwarded-Proto`.
@@ -74,7 +74,7 @@ pub struct RequestRule<'a> {
 /// of its own). `X-Forwarded-For` is what came in with the peer appended; `-Proto` and `-Host`
 /// are the client's only from a trusted proxy.
 #[inline]
-pub fn upstream_request<V: HeadView>(
+pub(crate) fn upstream_request<V: HeadView>(
     view: &V,
     rule: &RequestRule<'_>,
     out: &mut impl HeadWriter<V::Handle>,
@@ -160,7 +160,7 @@ fn upgrade_fields<V: HeadView>(view: &V, out: &mut impl HeadWriter<V::Handle>) {
 }
 
 /// What the response rule needs beyond the upstream's fields.
-pub struct ResponseRule<'a> {
+pub(crate) struct ResponseRule<'a> {
     /// The exchange's request id, sent back whatever the upstream said.
     pub request_id: &'a [u8],
     /// The limit whose `RateLimit` fields the response carries, replacing the upstream's.
@@ -171,7 +171,7 @@ pub struct ResponseRule<'a> {
 
 /// The upstream's response head as it goes to the client.
 #[inline]
-pub fn client_response<V: HeadView>(
+pub(crate) fn client_response<V: HeadView>(
     view: &V,
     rule: &ResponseRule<'_>,
     out: &mut impl HeadWriter<V::Handle>,

@@ -35,7 +35,7 @@ impl HeadView for HeaderMap {
 /// fields to drop (by name: a rule decides by name, so all lines of one name alike), fields to
 /// add, and whether the message came chunked.
 #[derive(Default)]
-pub struct MapEdit {
+pub(crate) struct MapEdit {
     dropped: smallvec::SmallVec<[HeaderName; 4]>,
     added: smallvec::SmallVec<[(&'static HeaderName, HeaderValue); 6]>,
     chunked: bool,
@@ -85,7 +85,7 @@ impl MapEdit {
     /// `Transfer-Encoding`, and a proxy must drop the `Content-Length` before passing it on
     /// (hyper decodes the chunks but keeps the field; re-sent as the length, it cut the body
     /// short). hyper frames the body again on the way out, so `Transfer-Encoding` goes too.
-    pub fn apply(self, h: &mut HeaderMap) {
+    pub(crate) fn apply(self, h: &mut HeaderMap) {
         for n in &self.dropped {
             h.remove(n);
         }
@@ -135,7 +135,7 @@ fn single_length(h: &mut HeaderMap) {
 
 /// Whether a request's `Transfer-Encoding` (if any) is `chunked` alone, the one coding a body
 /// is passed on in.
-pub fn only_chunked(h: &HeaderMap) -> bool {
+pub(crate) fn only_chunked(h: &HeaderMap) -> bool {
     let mut codings = h
         .get_all(TRANSFER_ENCODING)
         .iter()
@@ -167,7 +167,7 @@ const FRAMING_AND_FORWARDING: [&str; 10] = [
 /// a client could set through one what tollgate sets or frames by the other: forge its
 /// forwarded address, or have a body framed differently upstream. Never passed on, either way
 /// (nginx drops every name with `_` by default; other names with `_` pass here).
-pub fn underscore_lookalike(name: &[u8]) -> bool {
+pub(crate) fn underscore_lookalike(name: &[u8]) -> bool {
     name.contains(&b'_')
         && FRAMING_AND_FORWARDING.iter().any(|f| {
             f.len() == name.len()
@@ -186,7 +186,7 @@ fn is_h2c(token: &str) -> bool {
 /// HTTP/2's `:authority`), which RFC 9112 §3.2.2 puts before `Host`; else `Host`. Refused, as
 /// RFC 9112 §3.2 has a server do with 400: an HTTP/1.1 request without `Host`, any HTTP/1.x
 /// request with two, or one whose value is not a host.
-pub fn request_host<'a>(
+pub(crate) fn request_host<'a>(
     version: http::Version,
     uri: &'a http::Uri,
     h: &'a HeaderMap,
@@ -241,7 +241,7 @@ static REG_NAME: [bool; 256] = {
 /// Whether a `Host` value is `uri-host [":" port]` (RFC 9110 §7.2; empty is allowed, for a
 /// target without an authority). RFC 9112 §3.2 has a server answer 400 to anything else, and a
 /// value like `a b` or `u@h` would otherwise reach routing, `X-Forwarded-Host` and the upstream.
-pub fn valid_host(h: &[u8]) -> bool {
+pub(crate) fn valid_host(h: &[u8]) -> bool {
     let (host, port) = if let Some(rest) = h.strip_prefix(b"[") {
         // IP-literal: an IPv6 address (hex digits, colons, an embedded IPv4's dots).
         let Some(end) = rest.iter().position(|&b| b == b']') else {
@@ -276,7 +276,7 @@ pub fn valid_host(h: &[u8]) -> bool {
 /// (prior knowledge); passed on, an upstream that accepts it turns the connection into a raw
 /// tunnel past routing and limits. Such a request is forwarded as the plain HTTP/1.1 request it
 /// also is (the `Upgrade` field dropped as hop-by-hop), as nginx and Envoy do.
-pub fn is_upgrade(version: http::Version, h: &HeaderMap) -> bool {
+pub(crate) fn is_upgrade(version: http::Version, h: &HeaderMap) -> bool {
     version == http::Version::HTTP_11
         && h.get_all(UPGRADE).iter().any(|v| {
             v.to_str()

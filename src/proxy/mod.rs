@@ -6,18 +6,18 @@
 //! its whole life. Limits are decided before a byte of the body is read; an admitted request's
 //! body streams to the upstream and the upstream's body streams back, neither buffered.
 
-pub mod codec;
-pub mod deadline;
-pub mod error;
-pub mod exchange;
-pub mod fields;
-pub mod forward;
-pub mod forwarding;
-pub mod headers;
-pub mod pipeline;
-pub mod request_id;
-pub mod response;
-pub mod tunnels;
+pub(crate) mod codec;
+pub(crate) mod deadline;
+pub(crate) mod error;
+pub(crate) mod exchange;
+pub(crate) mod fields;
+pub(crate) mod forward;
+pub(crate) mod forwarding;
+pub(crate) mod headers;
+pub(crate) mod pipeline;
+pub(crate) mod request_id;
+pub(crate) mod response;
+pub(crate) mod tunnels;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -32,7 +32,7 @@ use crate::limit::{Context, HeaderInfo, Verdict};
 use crate::metrics::Metrics;
 use crate::snapshot::{ConfigSnapshot, Route};
 
-pub use crate::connector::Body;
+pub(crate) use crate::connector::Body;
 
 /// Everything a request needs, shared by all connections.
 pub struct Gateway {

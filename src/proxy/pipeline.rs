@@ -21,7 +21,7 @@ use crate::routing::path_problem;
 use crate::snapshot::{ConfigSnapshot, Route, Upstream, UpstreamOrder};
 
 /// What a request's first line and framing said, as far as refusals go.
-pub struct Refusable<'a> {
+pub(crate) struct Refusable<'a> {
     /// The request method.
     pub method: &'a Method,
     /// The target is in authority form (`host:port`), which is CONNECT's alone (RFC 9112
@@ -32,7 +32,7 @@ pub struct Refusable<'a> {
 }
 
 /// Phase 1: requests refused before routing, whatever route would match.
-pub fn refuse(r: &Refusable<'_>) -> Result<(), ProxyError> {
+pub(crate) fn refuse(r: &Refusable<'_>) -> Result<(), ProxyError> {
     if *r.method == Method::CONNECT {
         Err(ProxyError::ConnectNotAllowed)
     } else if !r.only_chunked {
@@ -51,7 +51,7 @@ pub fn refuse(r: &Refusable<'_>) -> Result<(), ProxyError> {
 /// escapes, NUL) is refused first, whether or not a route would match it: 400, never a 404;
 /// then a `Host` that is missing or not a host (`host`'s error).
 #[inline]
-pub fn route(
+pub(crate) fn route(
     snapshot: &ConfigSnapshot,
     method: &Method,
     host: Result<Option<&[u8]>, &'static str>,
@@ -76,7 +76,7 @@ pub fn route(
 /// A loop in each codec rather than a function taking the codec's try as an async closure: the
 /// fast codec's try borrows its connection mutably, and such a closure's future cannot be
 /// proven `Send` for the connection task.
-pub struct Tries<'r> {
+pub(crate) struct Tries<'r> {
     route: &'r Route,
     order: UpstreamOrder<'r>,
     next: usize,
@@ -87,7 +87,7 @@ pub struct Tries<'r> {
 impl<'r> Tries<'r> {
     /// The tries of one request on `route`, which began at `started`.
     #[inline]
-    pub fn new(route: &'r Route, started: Instant) -> Self {
+    pub(crate) fn new(route: &'r Route, started: Instant) -> Self {
         Self {
             route,
             order: route.upstream_order(),
@@ -99,14 +99,18 @@ impl<'r> Tries<'r> {
 
     /// The next upstream to try.
     #[inline]
-    pub fn next_upstream(&mut self) -> Option<&'r Upstream> {
+    pub(crate) fn next_upstream(&mut self) -> Option<&'r Upstream> {
         let u = self.order.get(self.next).copied();
         self.next += 1;
         u
     }
 
     /// `upstream` refused the connection: nothing of the request was sent.
-    pub fn refused(&mut self, upstream: &Upstream, e: Box<dyn std::error::Error + Send + Sync>) {
+    pub(crate) fn refused(
+        &mut self,
+        upstream: &Upstream,
+        e: Box<dyn std::error::Error + Send + Sync>,
+    ) {
         upstream.mark_down();
         if self.next < self.order.len() {
             tracing::warn!(route = %self.route.name, upstream = %upstream.authority, error = %e, "upstream refused the connection: trying the next");
@@ -116,7 +120,7 @@ impl<'r> Tries<'r> {
 
     /// How the tries ended: `done` (an upstream took the request), else the last refusal.
     #[inline]
-    pub fn outcome<T>(self, done: Option<Result<T, ProxyError>>) -> Result<T, ProxyError> {
+    pub(crate) fn outcome<T>(self, done: Option<Result<T, ProxyError>>) -> Result<T, ProxyError> {
         self.route
             .metrics
             .upstream_duration

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Longest client-supplied id kept; longer (or non-visible-ASCII) ones are replaced.
 const MAX_LEN: usize = 128;
 
 /// The request's id, inserting a fresh one into `headers` when absent or unusable.
-pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
+pub(crate) fn ensure(headers: &mut HeaderMap) -> HeaderValue {
     if let Some(v) = headers.get(&X_REQUEST_ID)
         && sane(v.as_bytes())
     {
@@ -27,7 +27,7 @@ pub fn ensure(headers: &mut HeaderMap) -> HeaderValue {
 /// An id as log lines show it, made text only when a line is written: most requests write
 /// none, and checking 32 bytes for UTF-8 was a visible part of a 429's cost.
 #[derive(Clone, Copy)]
-pub struct LogId<'a>(pub &'a [u8]);
+pub(crate) struct LogId<'a>(pub &'a [u8]);
 
 impl std::fmt::Display for LogId<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -37,7 +37,7 @@ impl std::fmt::Display for LogId<'_> {
 }
 
 /// A client's id is kept when it is this: not empty, not long, visible ASCII only.
-pub fn sane(v: &[u8]) -> bool {
+pub(crate) fn sane(v: &[u8]) -> bool {
     !v.is_empty() && v.len() <= MAX_LEN && v.iter().all(|b| b.is_ascii_graphic())
 }
 
@@ -47,7 +47,7 @@ fn generate() -> HeaderValue {
 
 /// 32 hex digits: a per-process random prefix and a counter — unique without a random number
 /// generator on the request path.
-pub fn generate_hex() -> [u8; 32] {
+pub(crate) fn generate_hex() -> [u8; 32] {
     static PREFIX: OnceLock<[u8; 16]> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let prefix = PREFIX.get_or_init(|| {

@@ -12,17 +12,17 @@ use crate::limit::Limit;
 use crate::limit::algorithm::Micros;
 use crate::snapshot::Route;
 
-pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-pub fn full(bytes: impl Into<Bytes>) -> Body {
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed()
 }
 
 /// The answer to `e` as a `Response` (`None`: nobody to answer).
-pub fn answer(e: &ProxyError, route: Option<&Route>) -> Option<Response<Body>> {
+pub(crate) fn answer(e: &ProxyError, route: Option<&Route>) -> Option<Response<Body>> {
     let mut built = Built {
         resp: Response::new(()),
         body: Vec::new(),
@@ -69,7 +69,7 @@ impl AnswerWriter for Built {
 
 /// Whole seconds, rounded up: a client that waits this long is admitted.
 #[inline]
-pub fn ceil_secs(us: Micros) -> u64 {
+pub(crate) fn ceil_secs(us: Micros) -> u64 {
     us.div_ceil(1_000_000)
 }
 
@@ -77,7 +77,12 @@ pub fn ceil_secs(us: Micros) -> u64 {
 /// formatter's machinery was a visible part of it. Limit names are letters, digits, `_`, `.`
 /// and `-` (config validation), so the value needs no escaping.
 #[inline]
-pub fn push_ratelimit(out: &mut Vec<u8>, limit: &Limit, remaining: u64, reset_after: Micros) {
+pub(crate) fn push_ratelimit(
+    out: &mut Vec<u8>,
+    limit: &Limit,
+    remaining: u64,
+    reset_after: Micros,
+) {
     out.push(b'"');
     out.extend_from_slice(limit.name.as_bytes());
     out.extend_from_slice(b"\";r=");

@@ -90,7 +90,7 @@ impl RouteTable {
 /// path is already normal. Routing, keys, the dot-segment check and the upstream all see this one
 /// spelling: otherwise `/%6Cogin` would miss the `/login` route (and its limits) and still reach
 /// `/login` at an upstream that decodes it. Reserved characters stay encoded (`%2F` is not `/`).
-pub fn normalize_path(uri: &Uri) -> Option<Uri> {
+pub(crate) fn normalize_path(uri: &Uri) -> Option<Uri> {
     let path = uri.path();
     if !path.contains('%') {
         return None;
@@ -146,7 +146,7 @@ pub(crate) fn hex_value(c: u8) -> Option<u8> {
 /// an escape, or an escaped NUL. The first could match one route's prefix and reach another
 /// path upstream after normalisation; the others are not a path any upstream can mean the same
 /// way as tollgate (nginx refuses them too).
-pub fn path_problem(path: &str) -> Option<&'static str> {
+pub(crate) fn path_problem(path: &str) -> Option<&'static str> {
     // Most paths have neither: one pass over the bytes answers for them.
     if !path.bytes().any(|b| b == b'.' || b == b'%') {
         return None;

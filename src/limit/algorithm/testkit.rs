@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use super::{Algorithm, Micros, Quota, Rejection, State};
 
 /// `(now, cost)` of a request, or of an admission in a driver's result.
-pub type Event = (Micros, u64);
+pub(super) type Event = (Micros, u64);
 
 /// Retry-After values up to this are compared with a scan of every earlier instant.
 const SCAN: Micros = 2_000;
@@ -16,7 +16,7 @@ const SCAN: Micros = 2_000;
 /// A realistic epoch (µs since 1970) so large timestamps are exercised too.
 const EPOCH: Micros = 1_700_000_000_000_000;
 
-pub fn quota() -> impl Strategy<Value = Quota> {
+pub(super) fn quota() -> impl Strategy<Value = Quota> {
     (1u64..=20, prop_oneof![1u64..=50, 1u64..=10_000], 1u64..=20).prop_map(
         |(count, period, burst)| Quota {
             count,
@@ -28,7 +28,7 @@ pub fn quota() -> impl Strategy<Value = Quota> {
 
 /// Sorted arrivals that mostly come faster than the limit allows, with the odd pause of up
 /// to three periods, and several requests at the same instant.
-pub fn timeline(q: Quota, max_cost: u64) -> impl Strategy<Value = Vec<Event>> {
+pub(super) fn timeline(q: Quota, max_cost: u64) -> impl Strategy<Value = Vec<Event>> {
     let p = q.period;
     let slot = (p / q.count).max(1);
     let gap = prop_oneof![4 => 0..=slot, 3 => 0..=p, 1 => 0..=3 * p];
@@ -48,7 +48,7 @@ pub fn timeline(q: Quota, max_cost: u64) -> impl Strategy<Value = Vec<Event>> {
 
 /// Checks and commits every event in order, asserting the per-decision contract, and
 /// returns the admitted events.
-pub fn simulate(alg: &Algorithm, events: &[Event]) -> Vec<Event> {
+pub(super) fn simulate(alg: &Algorithm, events: &[Event]) -> Vec<Event> {
     let mut state = alg.new_state();
     let mut admitted = Vec::new();
     for &(now, cost) in events {
@@ -77,7 +77,7 @@ pub fn simulate(alg: &Algorithm, events: &[Event]) -> Vec<Event> {
 
 /// Like [`simulate`] with `reserve`: returns each admitted event at the instant it is
 /// released (`now + delay`).
-pub fn simulate_reserve(alg: &Algorithm, events: &[Event], max_delay: Micros) -> Vec<Event> {
+pub(super) fn simulate_reserve(alg: &Algorithm, events: &[Event], max_delay: Micros) -> Vec<Event> {
     let mut state = alg.new_state();
     let mut released = Vec::new();
     for &(now, cost) in events {
@@ -181,7 +181,7 @@ fn assert_full_at_is_exact(alg: &Algorithm, state: &State, now: Micros, cost: u6
 
 /// The most units in one interval `[t, t + len]` (closed) or `[t, t + len)`; `events` must
 /// be in time order, which the drivers' results are.
-pub fn max_in_interval(events: &[Event], len: Micros, closed: bool) -> u64 {
+pub(super) fn max_in_interval(events: &[Event], len: Micros, closed: bool) -> u64 {
     assert!(
         events.windows(2).all(|w| w[0].0 <= w[1].0),
         "not in time order"
@@ -201,7 +201,7 @@ pub fn max_in_interval(events: &[Event], len: Micros, closed: bool) -> u64 {
 }
 
 /// The most units in one aligned window `[k × period, (k + 1) × period)`.
-pub fn max_per_window(events: &[Event], period: Micros) -> u64 {
+pub(super) fn max_per_window(events: &[Event], period: Micros) -> u64 {
     let mut best = 0;
     let mut current = (Micros::MAX, 0);
     for &(t, cost) in events {

@@ -50,17 +50,17 @@ pub const PEEK_LUA: &str = concat!(
 pub const MAX_PARAM: u64 = 1 << 50;
 
 /// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
-pub const SYNC_LUA: &str = include_str!("lua/sync.lua");
+pub(super) const SYNC_LUA: &str = include_str!("lua/sync.lua");
 /// The same for a gcra key: adds this instance's units to the shared TAT.
-pub const SYNC_GCRA_LUA: &str = include_str!("lua/sync_gcra.lua");
+pub(super) const SYNC_GCRA_LUA: &str = include_str!("lua/sync_gcra.lua");
 
 /// Values per limit in ARGV: algo, count, period, burst, cost, max_delay.
-pub const ARGS_PER_LIMIT: usize = 6;
+pub(super) const ARGS_PER_LIMIT: usize = 6;
 /// ARGV values before the first limit of decide.lua: now override, TTL floor, n.
-pub const DECIDE_HEADER: usize = 3;
+pub(super) const DECIDE_HEADER: usize = 3;
 /// decide.lua's reply: all_admitted and now, then 4 values per limit.
-pub const REPLY_HEADER: usize = 2;
-pub const REPLY_PER_LIMIT: usize = 4;
+pub(super) const REPLY_HEADER: usize = 2;
+pub(super) const REPLY_PER_LIMIT: usize = 4;
 
 /// ARGV value meaning "use the server's clock".
 const SERVER_CLOCK: i64 = -1;
@@ -188,7 +188,7 @@ pub enum ScriptPath {
 
 /// Both ways of running each entry point, and which one this store uses.
 #[derive(Debug)]
-pub struct Scripts {
+pub(super) struct Scripts {
     decide: Script,
     refund: Script,
     peek: Script,
@@ -222,7 +222,7 @@ fn library_exists(e: &FredError) -> bool {
 }
 
 impl Scripts {
-    pub fn new(path: ScriptPath) -> Self {
+    pub(super) fn new(path: ScriptPath) -> Self {
         Self {
             decide: Script::from_lua(DECIDE_LUA),
             refund: Script::from_lua(REFUND_LUA),
@@ -234,7 +234,7 @@ impl Scripts {
         }
     }
 
-    pub fn path(&self) -> ScriptPath {
+    pub(super) fn path(&self) -> ScriptPath {
         if self.evalsha_only.load(Ordering::Relaxed) {
             ScriptPath::Evalsha
         } else {
@@ -266,7 +266,7 @@ impl Scripts {
     /// compiling anything, so a fleet starting up compiles it once per node, not once per
     /// instance, and nothing of another version is ever replaced. `Ok(false)`: the server has
     /// no functions, and this store now uses EVALSHA.
-    pub async fn load_library(&self, client: &Client) -> Result<bool, FredError> {
+    pub(super) async fn load_library(&self, client: &Client) -> Result<bool, FredError> {
         if self.evalsha_only.load(Ordering::Relaxed) {
             return Ok(false);
         }
@@ -290,7 +290,7 @@ impl Scripts {
     /// once more if the node has lost it (as EVALSHA does after `NOSCRIPT`); an EVALSHA when
     /// the server has no functions or the store was told to use EVALSHA. A call Redis turned
     /// down as unknown or missing never ran, so calling again cannot charge twice.
-    pub async fn run(
+    pub(super) async fn run(
         &self,
         client: &Client,
         call: Call,
@@ -431,7 +431,7 @@ fn ttl_floor_ms(now_override: Option<Micros>) -> i64 {
 
 /// KEYS and ARGV of one decide.lua call over `limits`; `shadow[i]` (missing: false) marks a
 /// shadow limit, whose rejection does not stop the others.
-pub fn decide_call(
+pub(super) fn decide_call(
     limits: &[&GlobalLimit<'_>],
     shadow: &[bool],
     now_override: Option<Micros>,
@@ -452,7 +452,7 @@ pub fn decide_call(
 }
 
 /// KEYS and ARGV of one refund.lua call undoing `limit`'s commit taken at `committed_at`.
-pub fn refund_call(
+pub(super) fn refund_call(
     limit: &GlobalLimit<'_>,
     committed_at: Micros,
     now_override: Option<Micros>,
@@ -467,7 +467,7 @@ pub fn refund_call(
 }
 
 /// KEYS and ARGV of one peek.lua call.
-pub fn peek_call(
+pub(super) fn peek_call(
     limit: &GlobalLimit<'_>,
     now_override: Option<Micros>,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
@@ -478,7 +478,7 @@ pub fn peek_call(
 
 /// decide.lua's reply for `n` limits.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DecideReply {
+pub(super) struct DecideReply {
     pub admitted: bool,
     /// The instant (server clock, or the override) the decision was taken at.
     pub now: Micros,
@@ -501,7 +501,11 @@ fn flag(v: i64, what: &str) -> Result<bool, RedisError> {
 
 /// decide.lua's reply for `n` limits, `shadow[i]` (missing: false) marking the shadow ones,
 /// whose verdicts do not count towards `all_admitted`.
-pub fn decode_decide(reply: &[i64], n: usize, shadow: &[bool]) -> Result<DecideReply, RedisError> {
+pub(super) fn decode_decide(
+    reply: &[i64],
+    n: usize,
+    shadow: &[bool],
+) -> Result<DecideReply, RedisError> {
     if reply.len() != REPLY_HEADER + REPLY_PER_LIMIT * n {
         return Err(RedisError::Protocol(format!(
             "decide returned {} values for {n} limits",
@@ -550,7 +554,7 @@ pub fn decode_decide(reply: &[i64], n: usize, shadow: &[bool]) -> Result<DecideR
 }
 
 /// peek.lua's reply: the snapshot and the instant it describes.
-pub fn decode_peek(reply: &[i64]) -> Result<(Snapshot, Micros), RedisError> {
+pub(super) fn decode_peek(reply: &[i64]) -> Result<(Snapshot, Micros), RedisError> {
     match reply {
         &[remaining, reset_after, now] => Ok((
             Snapshot {

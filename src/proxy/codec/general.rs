@@ -26,9 +26,9 @@ use crate::routing::normalize_path;
 /// (HTTP/2). Envoy's default is 60 KiB, nginx's 32 KiB in four 8 KiB lines; hyper's own were
 /// about 400 KB for HTTP/1.1 and 16 KiB for HTTP/2. One figure for both protocols, so a
 /// client's headers pass or fail alike whichever it speaks.
-pub const MAX_REQUEST_HEAD: usize = 64 * 1024;
+pub(crate) const MAX_REQUEST_HEAD: usize = 64 * 1024;
 
-pub fn builder() -> auto::Builder<TokioExecutor> {
+pub(crate) fn builder() -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()
         .timer(TokioTimer::new())
@@ -82,7 +82,7 @@ pub(crate) fn ended_with(
 }
 
 /// hyper's service function: one request, one answer.
-pub async fn serve(
+pub(crate) async fn serve(
     gateway: Arc<Gateway>,
     req: Request<Incoming>,
     peer: SocketAddr,

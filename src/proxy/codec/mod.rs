@@ -2,5 +2,5 @@
 //! between. [`h1`] is the fast HTTP/1.1 codec (how tollgate beats nginx on plain HTTP/1.1);
 //! [`general`] is hyper (HTTP/2, TLS, upgrades, and whatever the fast codec hands over).
 
-pub mod general;
-pub mod h1;
+pub(crate) mod general;
+pub(crate) mod h1;

@@ -5,7 +5,7 @@
 
 /// How a message's body is delimited (RFC 9112 §6.3).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Framing {
+pub(crate) enum Framing {
     /// `Content-Length: n` (0 for a message without a body).
     Length(u64),
     Chunked(Chunked),
@@ -14,7 +14,7 @@ pub enum Framing {
 }
 
 impl Framing {
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         match self {
             Framing::Length(n) => *n == 0,
             Framing::Chunked(c) => c.is_done(),
@@ -23,7 +23,7 @@ impl Framing {
     }
 
     /// How many bytes at the start of `buf` belong to the body, advancing past them.
-    pub fn advance(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
+    pub(crate) fn advance(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
         match self {
             Framing::Length(n) => {
                 let take = (*n).min(buf.len() as u64);
@@ -39,7 +39,7 @@ impl Framing {
 /// The chunked coding is malformed; the exchange cannot go on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("malformed chunked body")]
-pub struct BadChunk;
+pub(crate) struct BadChunk;
 
 /// A chunk size this large is a client trying something: 2^60 bytes is beyond any real body.
 const MAX_CHUNK: u64 = 1 << 60;
@@ -54,7 +54,7 @@ const MAX_TRAILERS: u32 = 16 * 1024;
 
 /// Tracks a chunked body (RFC 9112 §7.1) through any split of its bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Chunked {
+pub(crate) struct Chunked {
     state: State,
     /// The chunk size being read, then the data bytes left in the chunk.
     n: u64,
@@ -95,7 +95,7 @@ impl Default for Chunked {
 }
 
 impl Chunked {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             state: State::SizeStart,
             n: 0,
@@ -104,12 +104,12 @@ impl Chunked {
         }
     }
 
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         self.state == State::Done
     }
 
     /// Consumes from `buf` up to the body's end; returns how many bytes were the body's.
-    pub fn scan(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
+    pub(crate) fn scan(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
         let mut i = 0;
         while i < buf.len() {
             if self.state == State::Data {

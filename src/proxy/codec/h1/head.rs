@@ -12,23 +12,23 @@ use std::ops::Range;
 use http::Method;
 
 use super::framing::{Chunked, Framing};
-pub use crate::proxy::fields::Name;
+pub(crate) use crate::proxy::fields::Name;
 use crate::proxy::fields::classify;
 use crate::proxy::headers::valid_host;
 
 /// Fields in a head the fast path parses; more go to the general path.
-pub const MAX_FIELDS: usize = 64;
+pub(crate) const MAX_FIELDS: usize = 64;
 /// Longest head the fast path parses; longer ones go to the general path (which answers 431
 /// past its own limit).
-pub const FAST_MAX_HEAD: usize = 16 * 1024;
+pub(crate) const FAST_MAX_HEAD: usize = 16 * 1024;
 /// An upstream response head the fast path reads: as much as the general path's client
 /// (hyper's defaults, 100 fields in about 400 KiB), so both paths pass on the same answers.
-pub const MAX_RESPONSE_FIELDS: usize = 100;
-pub const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
+pub(crate) const MAX_RESPONSE_FIELDS: usize = 100;
+pub(crate) const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
 
 /// One field: name and value as offsets into the head's buffer, and what the name is.
 #[derive(Debug, Clone)]
-pub struct Field {
+pub(crate) struct Field {
     pub name: Range<usize>,
     pub value: Range<usize>,
     pub kind: Name,
@@ -47,7 +47,7 @@ impl Field {
 
 /// What the `Connection` fields said.
 #[derive(Debug, Default, Clone)]
-pub struct ConnectionTokens {
+pub(crate) struct ConnectionTokens {
     pub close: bool,
     pub keep_alive: bool,
     pub upgrade: bool,
@@ -83,7 +83,7 @@ impl ConnectionTokens {
     }
 
     /// The field is named by `Connection` and so must not be forwarded.
-    pub fn names(&self, buf: &[u8], name: &[u8]) -> bool {
+    pub(crate) fn names(&self, buf: &[u8], name: &[u8]) -> bool {
         self.named
             .iter()
             .any(|t| buf[t.clone()].eq_ignore_ascii_case(name))
@@ -92,7 +92,7 @@ impl ConnectionTokens {
 
 /// A request head the fast path takes.
 #[derive(Debug)]
-pub struct RequestHead {
+pub(crate) struct RequestHead {
     pub method: Method,
     pub target: Range<usize>,
     pub len: usize,
@@ -105,7 +105,7 @@ pub struct RequestHead {
     pub x_forwarded_host: bool,
 }
 
-pub enum ParsedRequest {
+pub(crate) enum ParsedRequest {
     Complete(RequestHead),
     /// More bytes needed.
     Partial,
@@ -115,7 +115,7 @@ pub enum ParsedRequest {
 
 /// Parses the request head at the start of `buf`; `fields` is refilled (kept across requests
 /// so it is allocated once per connection).
-pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
+pub(crate) fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
     // Uninitialised: filling 64 empty fields for each request was a visible part of its cost.
     let mut raw = [const { MaybeUninit::uninit() }; MAX_FIELDS];
     let mut req = httparse::Request::new(&mut []);
@@ -213,7 +213,7 @@ pub fn parse_request(buf: &[u8], fields: &mut Vec<Field>) -> ParsedRequest {
 
 /// A response head from an upstream.
 #[derive(Debug)]
-pub struct ResponseHead {
+pub(crate) struct ResponseHead {
     pub status: u16,
     pub reason: Range<usize>,
     pub len: usize,
@@ -227,7 +227,7 @@ pub struct ResponseHead {
     pub length: Option<u64>,
 }
 
-pub enum ParsedResponse {
+pub(crate) enum ParsedResponse {
     Complete(ResponseHead),
     Partial,
     Invalid,
@@ -235,7 +235,11 @@ pub enum ParsedResponse {
 
 /// Parses the response head at the start of `buf`. `head_request`: the request was HEAD, so
 /// the response has no body whatever its fields say.
-pub fn parse_response(buf: &[u8], head_request: bool, fields: &mut Vec<Field>) -> ParsedResponse {
+pub(crate) fn parse_response(
+    buf: &[u8],
+    head_request: bool,
+    fields: &mut Vec<Field>,
+) -> ParsedResponse {
     let mut raw = [const { MaybeUninit::uninit() }; MAX_FIELDS];
     match parse_response_in(&mut raw, buf, head_request, fields) {
         // Rare: the room the general path's client gives (hyper's 100 fields), on the heap.
@@ -366,7 +370,7 @@ fn parse_length(v: &[u8]) -> Option<u64> {
 
 /// Appends `name: value\r\n`.
 #[inline]
-pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+pub(crate) fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);

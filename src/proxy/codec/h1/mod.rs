@@ -22,13 +22,13 @@
 mod client;
 mod conn;
 mod dispatch;
-pub mod framing;
-pub mod head;
+pub(crate) mod framing;
+pub(crate) mod head;
 mod relay;
 mod rewind;
 #[cfg(test)]
 mod tests;
-pub mod timer;
+pub(crate) mod timer;
 mod write;
 
 use std::io;
@@ -63,7 +63,7 @@ const WAIT_READ_MAX: usize = 64 * 1024;
 /// A client connection the fast codec serves: a byte stream whose read and write halves can be
 /// borrowed apart for one exchange (both directions at once). A `TcpStream` in production; an
 /// in-memory pipe in this module's tests.
-pub trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// The read half, borrowed.
     type Reader<'a>: AsyncRead + Unpin + Send
     where
@@ -87,7 +87,7 @@ impl ClientIo for TcpStream {
 
 /// What the listener gives each plain connection.
 #[derive(Clone)]
-pub struct Control {
+pub(crate) struct Control {
     pub builder: Arc<auto::Builder<TokioExecutor>>,
     /// Turns true when the listener drains: idle connections close, busy ones after their
     /// current exchange.
@@ -95,7 +95,7 @@ pub struct Control {
 }
 
 /// Serves one plain TCP connection; `watcher` counts it for the drain.
-pub async fn serve<S: ClientIo>(
+pub(crate) async fn serve<S: ClientIo>(
     gateway: Arc<Gateway>,
     stream: S,
     peer: SocketAddr,

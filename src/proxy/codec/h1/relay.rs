@@ -36,7 +36,7 @@ impl Pump {
     /// Takes the next body bytes from `rbuf` when the last ones are sent; an error once the
     /// body is malformed. Once the upstream stopped taking the body, what comes is dropped (the
     /// client is still read, so it can finish sending and read its answer).
-    pub fn feed(&mut self, rbuf: &mut BytesMut, body: &mut Framing) -> Result<(), Failure> {
+    pub(super) fn feed(&mut self, rbuf: &mut BytesMut, body: &mut Framing) -> Result<(), Failure> {
         if self.broken {
             self.pending.clear();
         }
@@ -51,7 +51,7 @@ impl Pump {
     }
 
     /// Wants more of the body from the client.
-    pub fn wants(&self, body: &Framing) -> bool {
+    pub(super) fn wants(&self, body: &Framing) -> bool {
         self.pending.is_empty() && !body.is_done()
     }
 }

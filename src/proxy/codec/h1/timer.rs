@@ -18,13 +18,13 @@ use tokio::time::{Instant, Sleep};
 /// Where a fresh timer is parked until its first deadline: further than any deadline it gets.
 const PARKED: Duration = Duration::from_secs(86_400 * 365);
 
-pub struct LazyTimer {
+pub(crate) struct LazyTimer {
     sleep: Pin<Box<Sleep>>,
 }
 
 /// The deadline passed first.
 #[derive(Debug)]
-pub struct Elapsed;
+pub(crate) struct Elapsed;
 
 impl Default for LazyTimer {
     fn default() -> Self {
@@ -33,7 +33,7 @@ impl Default for LazyTimer {
 }
 
 impl LazyTimer {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             // Not in the timer wheel until first polled.
             sleep: Box::pin(tokio::time::sleep(PARKED)),
@@ -41,7 +41,7 @@ impl LazyTimer {
     }
 
     /// Completes at `deadline`, never before.
-    pub async fn until(&mut self, deadline: Instant) {
+    pub(crate) async fn until(&mut self, deadline: Instant) {
         if self.sleep.deadline() > deadline {
             self.sleep.as_mut().reset(deadline);
         }
@@ -57,7 +57,7 @@ impl LazyTimer {
 
     /// `fut`'s output, or [`Elapsed`] when `deadline` comes first (`fut` is polled first, as
     /// `tokio::time::timeout_at` does).
-    pub async fn within<F: Future>(
+    pub(crate) async fn within<F: Future>(
         &mut self,
         deadline: Instant,
         fut: F,
