@@ -4,7 +4,8 @@
 //! pages nearly every decision misses the TLB as well as the cache, and in a VM a TLB miss is
 //! a two-level page walk. Blocks of [`HUGE`] bytes or more (only such tables, in practice) are
 //! placed on 2 MiB boundaries and advised `MADV_HUGEPAGE`, which the kernel honours in its
-//! default `madvise` THP mode. Measured by `cargo bench --bench limiter -- store/` (README).
+//! default `madvise` THP mode (`cargo bench --bench limiter -- store/` shows the difference;
+//! runs in docs/benchmarks.md).
 //! Smaller blocks go to the system allocator untouched, so nothing else pays for this.
 
 use std::alloc::{GlobalAlloc, Layout, System};

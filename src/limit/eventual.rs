@@ -25,7 +25,7 @@
 //! Redis before its next decision there (one round trip, `sync.lua` with nothing to push), so a client
 //! moving between instances finds its count, not a fresh budget. If that pull fails (Redis
 //! down), the key is decided from this instance's own counts until a sync succeeds: the
-//! ceiling is then N × `COUNT` (see the README).
+//! ceiling is then N × `COUNT` (see docs/algorithms.md).
 //!
 //! A failed sync loses nothing: the unpushed units stay and are pushed by the next sync that
 //! succeeds; meanwhile each instance keeps deciding with what it knows. A sync that was written

@@ -19,8 +19,8 @@ use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
 /// by one entry point: each script is self-contained on the server, with a single copy of the
 /// arithmetic in the repository. decide.lua has `decide_gcra.lua` in front of `lib.lua`: Redis
 /// runs a script's whole body on every call, and a decision on gcra limits only, answered
-/// there, skips building the library. Measured in instructions per EVALSHA in redis-server
-/// under callgrind (README, "What a decision costs Redis"): one gcra limit 136.9k → 96.5k.
+/// there, skips building the library (what that saves Redis: `CALLGRIND=1 bench/script.sh`,
+/// runs in docs/benchmarks.md).
 pub const DECIDE_LUA: &str = concat!(
     include_str!("lua/gcra.lua"),
     "\n",

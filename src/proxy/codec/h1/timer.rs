@@ -2,9 +2,9 @@
 //! timeout of the exchange in progress), moved only when it has to fire earlier than it is set.
 //!
 //! Why: a timer set for every request (`tokio::time::timeout_at`, `Sleep::reset`) is an insert
-//! into tokio's timer wheel and a removal from it; leaving the route timeout's timer in place
-//! took 2.6 % of a proxied request's instructions off (`bench/instructions.sh`: 13,311 to
-//! 12,970). Deadlines on one connection mostly move later, request after request, so the timer
+//! into tokio's timer wheel and a removal from it, a visible part of a proxied request's
+//! instructions (`bench/instructions.sh`). Deadlines on one connection mostly move later,
+//! request after request, so the timer
 //! is left where it is; when it fires before the deadline of the moment, it is set again, once
 //! per timeout period at most. Only a deadline earlier than the timer (a route with a shorter
 //! timeout than the last one) moves it back.
