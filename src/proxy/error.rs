@@ -62,9 +62,10 @@ pub(crate) enum ProxyError {
         /// Index into the route's limits.
         limit: usize,
     },
-    /// No valid answer from the upstream: refused, failed, closed early, or not HTTP.
-    #[error("upstream request failed: {0}")]
-    Upstream(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// No valid answer from the upstream: refused, failed, closed early, or not HTTP. The
+    /// error's text says the whole cause (the connector's errors print their chain).
+    #[error("{0}")]
+    Upstream(Box<dyn std::error::Error + Send + Sync>),
     /// The upstream sent a `101` to a request that asked for no protocol switch.
     #[error("upstream switched protocols unasked")]
     SwitchedUnasked,
@@ -173,7 +174,7 @@ pub(crate) fn rescue(
             StatusCode::SERVICE_UNAVAILABLE
         }
         ProxyError::Upstream(_) | ProxyError::SwitchedUnasked => {
-            tracing::warn!(route = %route_name, error = %ErrorChain(e), "upstream request failed");
+            tracing::warn!(route = %route_name, error = %e, "upstream request failed");
             error(out, StatusCode::BAD_GATEWAY, "bad_gateway", |b| {
                 b.extend_from_slice(b",\"route\":");
                 push_json_str(b, route_name);
@@ -254,27 +255,6 @@ fn names(b: &mut Vec<u8>, route: &str, limit: &str) {
 fn push_json_str(b: &mut Vec<u8>, s: &str) {
     if serde_json::to_writer(&mut *b, s).is_err() {
         b.extend_from_slice(b"\"\"");
-    }
-}
-
-/// An error and its causes on one line, without the repeats some layers add ("client error
-/// (Connect): invalid peer certificate: UnknownIssuer").
-pub(crate) struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
-
-impl std::fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut last = self.0.to_string();
-        let mut source = self.0.source();
-        while let Some(s) = source {
-            let text = s.to_string();
-            if !last.contains(&text) {
-                write!(f, ": {text}")?;
-            }
-            last = text;
-            source = s.source();
-        }
-        Ok(())
     }
 }
 
