@@ -5,12 +5,13 @@
 //!
 //! 1. the in-process tier in front of Redis ([`local::deny`]) rejects a global limit's key that
 //!    Redis is known to reject right now, without a round trip;
-//! 2. local limits are checked (not yet charged) in the local store: a local rejection needs
-//!    no round trip either;
+//! 2. local and eventual limits are checked (not yet charged) in process: a rejection there
+//!    needs no round trip either;
 //! 3. the global limits go to Redis in one script call, which charges them only if all admit;
-//! 4. then the local limits are charged. Should a concurrent request have used the local units
-//!    in between (the only window where local and global are not one atomic step), this request
-//!    is rejected and the global units it took stay taken: the race errs towards limiting.
+//! 4. then the local and eventual limits are checked again and charged, each check and its
+//!    charge under one lock. Should a concurrent request have used their units in between (the
+//!    only window where in-process and global limits are not one atomic step), this request is
+//!    rejected and the global units it took stay taken: the race errs towards limiting.
 //!
 //! When Redis cannot answer, `redis.on_error` decides: `allow` decides the global limits with
 //! their local stores (same quota, per instance) and counts each such decision; `deny` answers
@@ -22,6 +23,8 @@ pub mod clock;
 pub mod eventual;
 pub mod local;
 pub mod redis;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -483,31 +486,9 @@ impl LimitSet {
             results.push((i, v.map(|snap| (snap, 0))));
             return self.conclude(&results);
         }
-        // Eventual limits first, their keys held from the check to the charge while the local
-        // limits decide, so all of them are one step (see `eventual::Held` for the lock order).
-        let mut held = self.hold_eventual(keys, spans, cx);
-        let mut results: Results = held
-            .iter()
-            .map(|(i, h)| {
-                let l = &self.limits[*i];
-                (*i, h.check(&l.algorithm, l.cost).map(|snap| (snap, 0)))
-            })
-            .collect();
-        if results
-            .iter()
-            .any(|(i, v)| v.is_err() && !self.limits[*i].shadow)
-        {
-            self.charge_eventual(&mut held, &results, false);
-            drop(held);
-            self.count_local(started);
-            return self.conclude(&results);
-        }
-        let checks = self.local_checks(keys, spans, cx, Limit::is_local);
-        let (ok, verdicts) = local::decide(&checks, cx.now);
-        self.charge_eventual(&mut held, &results, ok);
-        drop(held);
+        let mut results = Results::new();
+        self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results);
         self.count_local(started);
-        results.extend(self.local_indexes(spans).zip(verdicts));
         self.conclude(&results)
     }
 
@@ -626,16 +607,50 @@ impl LimitSet {
             .collect()
     }
 
-    /// Charges the eventual limits that admitted (the request as a whole was admitted).
-    fn commit_eventual(&self, keys: &[u8], spans: &[Span], results: &Results, cx: &Context<'_>) {
-        for (i, v) in results.iter() {
-            let l = &self.limits[*i];
-            if let (Some(ev), Ok(_)) = (&l.eventual, v)
-                && let Some(&(_, s, e)) = spans.iter().find(|sp| sp.0 == *i)
-            {
-                ev.commit(&l.algorithm, &keys[s..e], cx.now, l.cost);
+    /// Decides and charges the request's eventual limits and the in-process limits `pick`
+    /// selects as one step, once every other tier has admitted. The eventual keys are held
+    /// (locked) from their check to their charge while the local stores decide (see
+    /// `eventual::Held` for the lock order), so two requests for one key never both pass on its
+    /// last unit; a check made earlier and released (before the global store was asked) only
+    /// spares a round trip, it admits nothing. Each eventual verdict replaces the one `results`
+    /// holds for its limit; the local verdicts are appended. Whether the request is admitted:
+    /// when not, nothing here is charged, and what the global store charged stays taken (the
+    /// race errs towards limiting, as for local limits).
+    fn commit_in_process(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_>,
+        pick: impl Fn(&Limit) -> bool,
+        results: &mut Results,
+    ) -> bool {
+        let mut held = self.hold_eventual(keys, spans, cx);
+        let eventual: Results = held
+            .iter()
+            .map(|(i, h)| {
+                let l = &self.limits[*i];
+                (*i, h.check(&l.algorithm, l.cost).map(|snap| (snap, 0)))
+            })
+            .collect();
+        let mut admitted = eventual
+            .iter()
+            .all(|(i, v)| v.is_ok() || self.limits[*i].shadow);
+        let mut local = SmallVec::<[LocalVerdict; 4]>::new();
+        if admitted {
+            let checks = self.local_checks(keys, spans, cx, &pick);
+            (admitted, local) = local::decide(&checks, cx.now);
+        }
+        self.charge_eventual(&mut held, &eventual, admitted);
+        drop(held);
+        for (i, v) in eventual {
+            match results.iter_mut().find(|(j, _)| *j == i) {
+                Some(slot) => slot.1 = v,
+                None => results.push((i, v)),
             }
         }
+        let picked = spans.iter().filter(|s| pick(&self.limits[s.0]));
+        results.extend(picked.map(|s| s.0).zip(local));
+        admitted
     }
 
     fn local_checks<'k>(
@@ -722,7 +737,7 @@ impl LimitSet {
         let eventual_ok = eventual
             .iter()
             .all(|(i, v)| v.is_ok() || self.limits[*i].shadow);
-        results.extend(eventual.iter().cloned());
+        results.extend(eventual);
         if !(local_ok && eventual_ok) {
             results.extend(local_idx.zip(local_verdicts));
             self.count_local(started);
@@ -806,12 +821,8 @@ impl LimitSet {
                     results.extend(local_idx.zip(local_verdicts));
                     return self.conclude(&results);
                 }
-                // 4. Charge the local and eventual limits.
-                let (ok, charged) = local::decide(&local, cx.now);
-                if ok {
-                    self.commit_eventual(keys, spans, &eventual, cx);
-                }
-                results.extend(local_idx.zip(charged));
+                // 4. Charge the local and eventual limits, each checked again as it is charged.
+                self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results);
                 self.conclude(&results)
             }
             Err(e) => {
@@ -832,19 +843,10 @@ impl LimitSet {
                 let in_fallback = |l: &Limit| {
                     l.is_local() || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
                 };
-                let all = self.local_checks(keys, spans, cx, in_fallback);
-                let (ok, verdicts) = local::decide(&all, cx.now);
-                if ok {
-                    self.commit_eventual(keys, spans, &eventual, cx);
-                }
+                self.commit_in_process(keys, spans, cx, in_fallback, &mut results);
                 for &(i, _, _) in to_redis.iter() {
                     self.limits[i].metrics.fallback.inc();
                 }
-                let idx = spans
-                    .iter()
-                    .filter(|s| in_fallback(&self.limits[s.0]))
-                    .map(|s| s.0);
-                results.extend(idx.zip(verdicts));
                 self.conclude(&results)
             }
         }
