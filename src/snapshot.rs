@@ -327,7 +327,7 @@ mod tests {
             started: std::time::Instant::now(),
             clock,
             probe_wait: std::time::Duration::from_millis(50),
-            redis: None,
+            redis: None::<&RedisStore>,
             on_error: OnError::Allow,
             allow_delay: true,
             metrics,

@@ -5,23 +5,33 @@
 //!
 //! 1. the in-process tier in front of Redis ([`local::deny`]) rejects a global limit's key that
 //!    Redis is known to reject right now, without a round trip;
-//! 2. local limits are checked (not yet charged) in the local store: a local rejection needs
-//!    no round trip either;
-//! 3. the global limits go to Redis in one script call, which charges them only if all admit;
-//! 4. then the local limits are charged. Should a concurrent request have used the local units
-//!    in between (the only window where local and global are not one atomic step), this request
-//!    is rejected and the global units it took stay taken: the race errs towards limiting.
+//! 2. local and eventual limits are checked (not yet charged) in process: a rejection there
+//!    needs no round trip either;
+//! 3. the global limits go to the [`GlobalStore`] (Redis: one script call), which charges them
+//!    only if all admit;
+//! 4. then the local and eventual limits are checked again and charged, each check and its
+//!    charge under one lock. Should a concurrent request have used their units in between (the
+//!    only window where in-process and global limits are not one atomic step), this request is
+//!    rejected and the global units it took stay taken: the race errs towards limiting.
 //!
-//! When Redis cannot answer, `redis.on_error` decides: `allow` decides the global limits with
-//! their local stores (same quota, per instance) and counts each such decision; `deny` answers
-//! 503. `shadow` limits are decided and counted but never reject and never show in headers.
-//! Policy after the decision lives in one place ([`LimitSet::conclude`]), where it is counted.
+//! When Redis cannot answer, `redis.on_error` decides (in one place, `on_store_error`): `allow`
+//! decides the global limits with their local stores (same quota, per instance) and counts
+//! each such decision; `deny` answers 503. `shadow` limits are decided and counted but never
+//! reject and never show in headers. Policy after the decision lives in one place
+//! ([`LimitSet::conclude`]), where it is counted.
+//!
+//! A route with local and eventual limits only is decided here; one with strict global limits
+//! goes through the steps in `global.rs`, each its own function. The orchestration is tested
+//! against a fake store on a manual clock (`tests/`), one table row per combination.
 
 pub mod algorithm;
 pub mod clock;
 pub mod eventual;
+mod global;
 pub mod local;
 pub mod redis;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,9 +48,10 @@ use algorithm::{
     Algorithm, FixedWindow, Gcra, Micros, Quota, Rejection, SlidingLog, SlidingWindow, Snapshot,
 };
 use eventual::EventualStore;
-use local::deny::{DenyCache, Probe};
+pub use global::GlobalStore;
+use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
-use redis::{GlobalLimit, LimitVerdict, RedisStore};
+use redis::RedisStore;
 
 /// One limit of a route, compiled from its config.
 #[derive(Debug)]
@@ -139,16 +150,22 @@ impl Limit {
     /// too, Redis down: the key then stays decided on what this instance holds). Older (the
     /// key was idle here while other instances may have admitted on it), it is learned again
     /// before the decision.
-    fn fresh_for(&self, cx: &Context<'_>) -> Micros {
+    fn fresh_for<G>(&self, cx: &Context<'_, G>) -> Micros {
         self.sync_interval + micros(cx.probe_wait)
+    }
+
+    /// The longest this limit may delay a request: none when the route's waiter cap is full
+    /// (`allow_delay` false), so a request that would wait is rejected instead.
+    fn delay_allowed(&self, allow_delay: bool) -> Micros {
+        if allow_delay { self.max_delay } else { 0 }
     }
 
     /// Exchanges one key's counts of an eventual limit with Redis (`sync.lua`, or
     /// `sync_gcra.lua`): pushes its unpushed units, learns the window totals (gcra: the TAT).
     /// On failure the units stay for the next sync.
-    pub async fn sync_eventual(
+    pub async fn sync_eventual<G: GlobalStore>(
         &self,
-        redis: &RedisStore,
+        redis: &G,
         item: &eventual::SyncItem,
         clock: &dyn clock::Clock,
     ) -> Result<(), redis::RedisError> {
@@ -294,8 +311,13 @@ pub enum Verdict {
 }
 
 /// What a decision needs besides the request.
-#[derive(Clone, Copy)]
-pub struct Context<'a> {
+///
+/// `G` is the store strict global limits are decided in: [`RedisStore`] in the gateway, a fake
+/// in the orchestration tests. A type parameter rather than `&dyn GlobalStore`: the gateway
+/// has one store type, so the request path compiles to what it would be without the seam (no
+/// vtable call and no boxed future per store call), and a route without global limits never
+/// touches the store at all.
+pub struct Context<'a, G = RedisStore> {
     /// Local monotonic time (global limits use Redis's clock inside the script).
     pub now: Micros,
     /// When the decision started, for the limiter-duration metrics: the instant `now` was read
@@ -305,12 +327,23 @@ pub struct Context<'a> {
     pub clock: &'a dyn clock::Clock,
     /// The longest a request waits for another's Redis call (the Redis timeout).
     pub probe_wait: Duration,
-    pub redis: Option<&'a RedisStore>,
+    /// The global store (Redis); `None` when it could not be set up: every global decision
+    /// is then a failure, which `on_error` decides.
+    pub redis: Option<&'a G>,
     pub on_error: OnError,
     /// `false` when the route's waiter cap is full: a request that would wait is rejected.
     pub allow_delay: bool,
     pub metrics: &'a Metrics,
 }
+
+// By hand: derived, they would ask `G: Clone` / `G: Copy`, though only `&G` is copied.
+impl<G> Clone for Context<'_, G> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<G> Copy for Context<'_, G> {}
 
 /// Counters and timers of the tiers, resolved once per config build.
 #[derive(Debug, Clone)]
@@ -387,7 +420,11 @@ impl LimitSet {
     }
 
     /// Decides every limit for this request.
-    pub async fn evaluate(&self, req: &RequestParts<'_>, cx: &Context<'_>) -> Verdict {
+    pub async fn evaluate<G: GlobalStore>(
+        &self,
+        req: &RequestParts<'_>,
+        cx: &Context<'_, G>,
+    ) -> Verdict {
         if self.limits.is_empty() {
             return Verdict::Admit {
                 delay: Duration::ZERO,
@@ -446,11 +483,11 @@ impl LimitSet {
     }
 
     /// Decides every limit for this request, its keys built and its eventual keys known.
-    async fn decide(
+    async fn decide<G: GlobalStore>(
         &self,
         keys: &[u8],
         spans: &[Span],
-        cx: &Context<'_>,
+        cx: &Context<'_, G>,
         started: std::time::Instant,
     ) -> Verdict {
         if spans.is_empty() {
@@ -483,31 +520,9 @@ impl LimitSet {
             results.push((i, v.map(|snap| (snap, 0))));
             return self.conclude(&results);
         }
-        // Eventual limits first, their keys held from the check to the charge while the local
-        // limits decide, so all of them are one step (see `eventual::Held` for the lock order).
-        let mut held = self.hold_eventual(keys, spans, cx);
-        let mut results: Results = held
-            .iter()
-            .map(|(i, h)| {
-                let l = &self.limits[*i];
-                (*i, h.check(&l.algorithm, l.cost).map(|snap| (snap, 0)))
-            })
-            .collect();
-        if results
-            .iter()
-            .any(|(i, v)| v.is_err() && !self.limits[*i].shadow)
-        {
-            self.charge_eventual(&mut held, &results, false);
-            drop(held);
-            self.count_local(started);
-            return self.conclude(&results);
-        }
-        let checks = self.local_checks(keys, spans, cx, Limit::is_local);
-        let (ok, verdicts) = local::decide(&checks, cx.now);
-        self.charge_eventual(&mut held, &results, ok);
-        drop(held);
+        let mut results = Results::new();
+        self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results);
         self.count_local(started);
-        results.extend(self.local_indexes(spans).zip(verdicts));
         self.conclude(&results)
     }
 
@@ -530,13 +545,13 @@ impl LimitSet {
     /// deciding on them: without it a client moving to an instance new to its key would get a
     /// fresh budget there until that instance's next sync. A failure leaves the key unknown (it
     /// is decided from this instance's own counts, as before any sync) and is counted.
-    async fn learn_eventual(
+    async fn learn_eventual<G: GlobalStore>(
         &self,
         keys: &[u8],
         spans: &[Span],
         new: impl Fn(&&Span) -> bool,
-        redis: &RedisStore,
-        cx: &Context<'_>,
+        redis: &G,
+        cx: &Context<'_, G>,
     ) {
         let wait = micros(cx.probe_wait);
         let mut leads: SmallVec<[_; 2]> = SmallVec::new();
@@ -568,11 +583,11 @@ impl LimitSet {
 
     /// The request's eventual keys, locked in store-address order (one order for every
     /// request), with their limits' indexes in the route's order.
-    fn hold_eventual<'k>(
+    fn hold_eventual<'k, G>(
         &'k self,
         keys: &'k [u8],
         spans: &[Span],
-        cx: &Context<'_>,
+        cx: &Context<'_, G>,
     ) -> SmallVec<[(usize, eventual::Held<'k>); 2]> {
         if !self.has_eventual {
             return SmallVec::new();
@@ -610,7 +625,7 @@ impl LimitSet {
     }
 
     /// Every eventual limit's answer for this request, without charging.
-    fn check_eventual(&self, keys: &[u8], spans: &[Span], cx: &Context<'_>) -> Results {
+    fn check_eventual<G>(&self, keys: &[u8], spans: &[Span], cx: &Context<'_, G>) -> Results {
         spans
             .iter()
             .filter_map(|&(i, s, e)| {
@@ -626,23 +641,57 @@ impl LimitSet {
             .collect()
     }
 
-    /// Charges the eventual limits that admitted (the request as a whole was admitted).
-    fn commit_eventual(&self, keys: &[u8], spans: &[Span], results: &Results, cx: &Context<'_>) {
-        for (i, v) in results.iter() {
-            let l = &self.limits[*i];
-            if let (Some(ev), Ok(_)) = (&l.eventual, v)
-                && let Some(&(_, s, e)) = spans.iter().find(|sp| sp.0 == *i)
-            {
-                ev.commit(&l.algorithm, &keys[s..e], cx.now, l.cost);
+    /// Decides and charges the request's eventual limits and the in-process limits `pick`
+    /// selects as one step, once every other tier has admitted. The eventual keys are held
+    /// (locked) from their check to their charge while the local stores decide (see
+    /// `eventual::Held` for the lock order), so two requests for one key never both pass on its
+    /// last unit; a check made earlier and released (before the global store was asked) only
+    /// spares a round trip, it admits nothing. Each eventual verdict replaces the one `results`
+    /// holds for its limit; the local verdicts are appended. Whether the request is admitted:
+    /// when not, nothing here is charged, and what the global store charged stays taken (the
+    /// race errs towards limiting, as for local limits).
+    fn commit_in_process<G>(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        pick: impl Fn(&Limit) -> bool,
+        results: &mut Results,
+    ) -> bool {
+        let mut held = self.hold_eventual(keys, spans, cx);
+        let eventual: Results = held
+            .iter()
+            .map(|(i, h)| {
+                let l = &self.limits[*i];
+                (*i, h.check(&l.algorithm, l.cost).map(|snap| (snap, 0)))
+            })
+            .collect();
+        let mut admitted = eventual
+            .iter()
+            .all(|(i, v)| v.is_ok() || self.limits[*i].shadow);
+        let mut local = SmallVec::<[LocalVerdict; 4]>::new();
+        if admitted {
+            let checks = self.local_checks(keys, spans, cx, &pick);
+            (admitted, local) = local::decide(&checks, cx.now);
+        }
+        self.charge_eventual(&mut held, &eventual, admitted);
+        drop(held);
+        for (i, v) in eventual {
+            match results.iter_mut().find(|(j, _)| *j == i) {
+                Some(slot) => slot.1 = v,
+                None => results.push((i, v)),
             }
         }
+        let picked = spans.iter().filter(|s| pick(&self.limits[s.0]));
+        results.extend(picked.map(|s| s.0).zip(local));
+        admitted
     }
 
-    fn local_checks<'k>(
+    fn local_checks<'k, G>(
         &'k self,
         keys: &'k [u8],
         spans: &[Span],
-        cx: &Context<'_>,
+        cx: &Context<'_, G>,
         pick: impl Fn(&Limit) -> bool,
     ) -> SmallVec<[LocalCheck<'k>; 4]> {
         spans
@@ -655,199 +704,11 @@ impl LimitSet {
                     algorithm: &l.algorithm,
                     key: &keys[s..e],
                     cost: l.cost,
-                    max_delay: if cx.allow_delay { l.max_delay } else { 0 },
+                    max_delay: l.delay_allowed(cx.allow_delay),
                     shadow: l.shadow,
                 }
             })
             .collect()
-    }
-
-    async fn evaluate_global(
-        &self,
-        keys: &[u8],
-        spans: &[Span],
-        cx: &Context<'_>,
-        started: std::time::Instant,
-    ) -> Verdict {
-        let delay_of = |l: &Limit| if cx.allow_delay { l.max_delay } else { 0 };
-        let mut results: Results = SmallVec::new();
-        // 1. The in-process tier: what Redis is known to reject right now. For a hot key that
-        //    just came free, one request asks Redis and the others wait for its answer.
-        let mut to_redis: SmallVec<[Span; 4]> = SmallVec::new();
-        let mut probes = SmallVec::<[_; 2]>::new();
-        let mut now = cx.now;
-        for &(i, s, e) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
-            let l = &self.limits[i];
-            let key = &keys[s..e];
-            // Following other requests' probes is bounded in total, not per wake: a leader's
-            // answer can free the key again a moment later (its request reached Redis a hair
-            // before its slot), and the followers must then elect a new leader, not all go.
-            let deadline = cx.now + micros(cx.probe_wait);
-            loop {
-                let known = if self.tier_enabled {
-                    l.tier.check(key, now, delay_of(l))
-                } else {
-                    None
-                };
-                match known {
-                    Some(r) if !l.shadow => {
-                        self.tiers.in_process.inc();
-                        self.tiers.in_process_duration.observe(started.elapsed());
-                        return self.conclude(&[(i, Err(r))]);
-                    }
-                    Some(r) => results.push((i, Err(r))),
-                    None if !self.tier_enabled || now >= deadline => to_redis.push((i, s, e)),
-                    None => match l.tier.begin(key, now) {
-                        Probe::Free => to_redis.push((i, s, e)),
-                        Probe::Lead(guard) => {
-                            probes.push(guard);
-                            to_redis.push((i, s, e));
-                        }
-                        Probe::Follow => {
-                            let left = Duration::from_micros(deadline - now);
-                            l.tier.wait_probe(key, now, left).await;
-                            now = cx.clock.now();
-                            continue;
-                        }
-                    },
-                }
-                break;
-            }
-        }
-        // 2. Local and eventual limits, checked but not charged.
-        let local = self.local_checks(keys, spans, cx, Limit::is_local);
-        let (local_ok, local_verdicts) = local::check(&local, cx.now);
-        let local_idx = self.local_indexes(spans);
-        let eventual = self.check_eventual(keys, spans, cx);
-        let eventual_ok = eventual
-            .iter()
-            .all(|(i, v)| v.is_ok() || self.limits[*i].shadow);
-        results.extend(eventual.iter().cloned());
-        if !(local_ok && eventual_ok) {
-            results.extend(local_idx.zip(local_verdicts));
-            self.count_local(started);
-            return self.conclude(&results);
-        }
-        // 3. Redis: every global limit in one call; the script commits only if every enforced
-        //    one admits, and a shadow limit's rejection blocks nothing.
-        let redis_keys: SmallVec<[String; 4]> = to_redis
-            .iter()
-            .map(|&(i, s, e)| self.limits[i].redis_key(&keys[s..e]))
-            .collect();
-        let globals: Vec<GlobalLimit<'_>> = to_redis
-            .iter()
-            .zip(&redis_keys)
-            .map(|(&(i, _, _), k)| {
-                let l = &self.limits[i];
-                GlobalLimit {
-                    algorithm: &l.algorithm,
-                    key: k,
-                    cost: l.cost,
-                    max_delay: delay_of(l),
-                }
-            })
-            .collect();
-        let shadow: SmallVec<[bool; 4]> =
-            to_redis.iter().map(|sp| self.limits[sp.0].shadow).collect();
-        let answer = match cx.redis {
-            Some(redis) => match redis.decide_with_shadows(&globals, &shadow, None).await {
-                // A shadow limit never changes what the client gets: with no enforced global
-                // limit in the call, its failure is counted and the shadow limits are left
-                // undecided (no 503, no fallback charge).
-                Err(e) if !shadow.contains(&false) => {
-                    cx.metrics.redis_error(e.kind());
-                    Ok(redis::Decision {
-                        admitted: true,
-                        per_limit: Vec::new(),
-                    })
-                }
-                other => other,
-            },
-            None => Err(redis::RedisError::Unavailable),
-        };
-        self.tiers.global_duration.observe(started.elapsed());
-        // No later than the moment the script was sent: what the tier learns is anchored here.
-        let sent = now;
-        match answer {
-            Ok(main) => {
-                self.tiers.redis.inc();
-                let decided = to_redis.iter().zip(&globals).zip(main.per_limit);
-                for ((&(i, s, e), g), v) in decided {
-                    let l = &self.limits[i];
-                    let key = &keys[s..e];
-                    results.push((
-                        i,
-                        match v {
-                            LimitVerdict::Admitted { snapshot, delay } => {
-                                // Charged only if the request went through (shadow limits
-                                // too), and only then is there a new state to learn.
-                                if self.tier_enabled && main.admitted {
-                                    l.tier.admitted(
-                                        key,
-                                        sent,
-                                        &l.algorithm,
-                                        l.cost,
-                                        &snapshot,
-                                        g.max_delay,
-                                    );
-                                }
-                                Ok((snapshot, delay))
-                            }
-                            LimitVerdict::Rejected(r) => {
-                                if self.tier_enabled {
-                                    l.tier.rejected(key, sent, &r, g.max_delay);
-                                }
-                                Err(r)
-                            }
-                        },
-                    ));
-                }
-                if !main.admitted {
-                    results.extend(local_idx.zip(local_verdicts));
-                    return self.conclude(&results);
-                }
-                // 4. Charge the local and eventual limits.
-                let (ok, charged) = local::decide(&local, cx.now);
-                if ok {
-                    self.commit_eventual(keys, spans, &eventual, cx);
-                }
-                results.extend(local_idx.zip(charged));
-                self.conclude(&results)
-            }
-            Err(e) => {
-                cx.metrics.redis_error(e.kind());
-                // The limit named in the 503: an enforced one (only their call fails here).
-                let first_global = to_redis
-                    .iter()
-                    .find(|s| !self.limits[s.0].shadow)
-                    .map_or(0, |s| s.0);
-                if cx.on_error == OnError::Deny {
-                    warn_deny(cx.now, &e);
-                    return Verdict::Unavailable {
-                        limit: first_global,
-                    };
-                }
-                // on_error: allow — the global limits fall back to their local stores.
-                self.tiers.fallback.inc();
-                let in_fallback = |l: &Limit| {
-                    l.is_local() || to_redis.iter().any(|s| std::ptr::eq(&self.limits[s.0], l))
-                };
-                let all = self.local_checks(keys, spans, cx, in_fallback);
-                let (ok, verdicts) = local::decide(&all, cx.now);
-                if ok {
-                    self.commit_eventual(keys, spans, &eventual, cx);
-                }
-                for &(i, _, _) in to_redis.iter() {
-                    self.limits[i].metrics.fallback.inc();
-                }
-                let idx = spans
-                    .iter()
-                    .filter(|s| in_fallback(&self.limits[s.0]))
-                    .map(|s| s.0);
-                results.extend(idx.zip(verdicts));
-                self.conclude(&results)
-            }
-        }
     }
 
     /// [`LimitSet::conclude_each`] over collected results.

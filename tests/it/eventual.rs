@@ -549,3 +549,46 @@ async fn a_stopping_instance_pushes_what_it_has_not_synced() {
     g.stop().await;
     assert_eq!(counter(&redis, "stop"), 4);
 }
+
+/// An eventual limit beside a strict global one on a real Redis: the eventual limit is checked
+/// before the script call and charged after its answer, a whole round trip later, so two
+/// requests for one key sent at once both pass the first check. Each key allows one request;
+/// two are sent per key at once. The eventual limit is checked again as it is charged, so at
+/// most one per key is admitted; the other is rejected and the global unit it took stays taken.
+#[tokio::test]
+async fn an_eventual_limit_beside_a_strict_global_one_admits_each_unit_once() {
+    let redis = RedisServer::start();
+    let up = Upstream::start().await;
+    let yaml = format!(
+        "redis:
+  url: {}
+  timeout: 1s
+  on_error: allow
+routes:
+  - name: beside
+    upstream: {}
+    limits:
+      - {{name: ev, key: [query:k], algorithm: fixed_window, rate: 1/1d, consistency: eventual}}
+      - {{name: glob, key: [query:k], algorithm: fixed_window, rate: 1000000/1d}}
+",
+        redis.url(),
+        up.url()
+    );
+    let g = Gateway::start(&yaml).await;
+    let c = client();
+    const KEYS: usize = 300;
+    let mut admitted = 0;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(25) {
+        let pairs = chunk.iter().flat_map(|k| {
+            let url = g.url(&format!("/?k={k}"));
+            [c.get(&url).send(), c.get(&url).send()]
+        });
+        for r in futures_util::future::join_all(pairs).await {
+            let status = r.unwrap().status();
+            assert!(status == 200 || status == 429, "{status}");
+            admitted += usize::from(status == 200);
+        }
+    }
+    println!("eventual beside strict global: {admitted} admitted for {KEYS} units");
+    assert_eq!(admitted, KEYS);
+}

@@ -1,0 +1,376 @@
+//! Deciding a request that has strict global limits: the [`GlobalStore`] seam in front of
+//! Redis, and the steps of [`LimitSet::evaluate_global`] around it.
+//!
+//! The steps, cheapest first, each a function: [`LimitSet::probe_tier`] (what Redis is known to
+//! reject now), [`LimitSet::check_in_process`] (local and eventual limits, checked but not
+//! charged), [`LimitSet::ask_global`] (every global limit in one call, all or nothing),
+//! [`LimitSet::learn`] (the answers, into the in-process tier), [`LimitSet::on_store_error`]
+//! (`on_error`: 503, or the global limits decided on their local stores), then
+//! [`LimitSet::commit_in_process`] (local and eventual limits checked again and charged, each
+//! check and its charge under one lock) and [`LimitSet::conclude`] (shadow, counting, headers).
+//!
+//! [`RedisStore`] is the store in the gateway; the orchestration tests (`limit/tests/`) put a
+//! fake on the test's clock in its place.
+
+use std::future::Future;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::algorithm::{Micros, Rejection, Snapshot};
+use super::local::deny::{Probe, ProbeGuard};
+use super::redis::{Decision, GlobalLimit, LimitVerdict, RedisError, RedisStore};
+use super::{Context, Limit, LimitSet, Results, Span, Verdict, micros, warn_deny};
+use crate::config::OnError;
+
+/// The shared store of strict global limits (and of eventual limits' counts): what
+/// [`LimitSet::evaluate`] and [`Limit::sync_eventual`] ask of Redis.
+///
+/// The futures are `Send`: the gateway's connection tasks hold them across awaits. Callers take
+/// the store as a type parameter rather than `&dyn GlobalStore` (see [`Context`]), so these are
+/// `impl Future` methods, not boxed ones.
+pub trait GlobalStore: Sync {
+    /// Decides all of a request's global limits in one step: every limit is checked, and they
+    /// are charged only if every enforced one admits. `shadow[i]` marks a shadow limit: decided
+    /// with the others and charged with them when it admits, its rejection stops nothing.
+    /// `Decision::admitted` is about the enforced limits; `per_limit` follows `limits`. No
+    /// limits: admitted, without asking anything.
+    fn decide(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+    ) -> impl Future<Output = Result<Decision, RedisError>> + Send;
+
+    /// One limit's state now, charging nothing (the admin API).
+    fn peek(
+        &self,
+        limit: &GlobalLimit<'_>,
+    ) -> impl Future<Output = Result<Snapshot, RedisError>> + Send;
+
+    /// An eventual window limit's sync: adds `push` to the counters of window `ws` and of the
+    /// one before it (`keys`), and returns their totals and the store's time. A counter written
+    /// expires `life` after its window's start.
+    fn sync_counts(
+        &self,
+        keys: (String, String),
+        push: (u64, u64),
+        ws: Micros,
+        life: Micros,
+        period: Micros,
+    ) -> impl Future<Output = Result<(u64, u64, Micros), RedisError>> + Send;
+
+    /// An eventual gcra limit's sync: adds `units` to the TAT at `key` (`interval` each, the
+    /// TAT capped at now + `tau`), and returns the TAT and the store's time.
+    fn sync_gcra(
+        &self,
+        key: String,
+        units: u64,
+        interval_tau: (Micros, Micros),
+    ) -> impl Future<Output = Result<(Micros, Micros), RedisError>> + Send;
+}
+
+/// The gateway's store: each method is [`RedisStore`]'s own of the same name (`decide` is
+/// [`RedisStore::decide_with_shadows`] on Redis's clock). Implemented here rather than in
+/// `redis/` so that the Redis client knows nothing of the orchestration it serves.
+impl GlobalStore for RedisStore {
+    fn decide(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+    ) -> impl Future<Output = Result<Decision, RedisError>> + Send {
+        self.decide_with_shadows(limits, shadow, None)
+    }
+
+    fn peek(
+        &self,
+        limit: &GlobalLimit<'_>,
+    ) -> impl Future<Output = Result<Snapshot, RedisError>> + Send {
+        RedisStore::peek(self, limit)
+    }
+
+    fn sync_counts(
+        &self,
+        keys: (String, String),
+        push: (u64, u64),
+        ws: Micros,
+        life: Micros,
+        period: Micros,
+    ) -> impl Future<Output = Result<(u64, u64, Micros), RedisError>> + Send {
+        RedisStore::sync_counts(self, keys, push, ws, life, period)
+    }
+
+    fn sync_gcra(
+        &self,
+        key: String,
+        units: u64,
+        interval_tau: (Micros, Micros),
+    ) -> impl Future<Output = Result<(Micros, Micros), RedisError>> + Send {
+        RedisStore::sync_gcra(self, key, units, interval_tau)
+    }
+}
+
+/// What the in-process tier left to the global store.
+struct Probed<'s> {
+    /// The global limits to ask about.
+    to_store: SmallVec<[Span; 4]>,
+    /// Keys this request asks about for others waiting on the answer: they wake when these
+    /// drop, after the answer has been learned.
+    _leads: SmallVec<[ProbeGuard<'s>; 2]>,
+    /// The local time the store is asked at, no later than the moment it decides: what the
+    /// tier learns is anchored here.
+    sent: Micros,
+}
+
+/// The in-process tier's answer for one key.
+enum Tier<'s> {
+    /// Redis is known to reject it now.
+    Known(Rejection),
+    /// Ask the store; with a guard when other requests wait for this one's answer.
+    Ask(Option<ProbeGuard<'s>>),
+}
+
+impl LimitSet {
+    /// Decides a request with at least one strict global limit (see the module doc).
+    pub(super) async fn evaluate_global<G: GlobalStore>(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        started: std::time::Instant,
+    ) -> Verdict {
+        let mut results = Results::new();
+        let probed = match self
+            .probe_tier(keys, spans, cx, started, &mut results)
+            .await
+        {
+            Ok(probed) => probed,
+            Err(known) => return known,
+        };
+        let local = match self.check_in_process(keys, spans, cx, started, &mut results) {
+            Ok(local) => local,
+            Err(rejected) => return rejected,
+        };
+        let answer = self.ask_global(keys, &probed.to_store, cx).await;
+        self.tiers.global_duration.observe(started.elapsed());
+        let decision = match answer {
+            Ok(decision) => decision,
+            Err(e) => return self.on_store_error(e, keys, spans, &probed.to_store, cx, results),
+        };
+        self.tiers.redis.inc();
+        let admitted = decision.admitted;
+        self.learn(keys, &probed, decision, cx, &mut results);
+        if admitted {
+            self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results);
+        } else {
+            // Nothing was charged: the local limits report what they answered before.
+            results.extend(self.local_indexes(spans).zip(local));
+        }
+        self.conclude(&results)
+    }
+
+    /// Step 1, the in-process tier: an enforced limit's key that Redis is known to reject now
+    /// answers the request at once (`Err`); a shadow one's goes into `results` and is not
+    /// asked about. The others are left to the store.
+    async fn probe_tier<'s, G>(
+        &'s self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        started: std::time::Instant,
+        results: &mut Results,
+    ) -> Result<Probed<'s>, Verdict> {
+        let mut probed = Probed {
+            to_store: SmallVec::new(),
+            _leads: SmallVec::new(),
+            sent: cx.now,
+        };
+        for &(i, s, e) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
+            let l = &self.limits[i];
+            match self.probe_key(l, &keys[s..e], cx, &mut probed.sent).await {
+                Tier::Known(r) if !l.shadow => {
+                    self.tiers.in_process.inc();
+                    self.tiers.in_process_duration.observe(started.elapsed());
+                    return Err(self.conclude(&[(i, Err(r))]));
+                }
+                Tier::Known(r) => results.push((i, Err(r))),
+                Tier::Ask(lead) => {
+                    probed.to_store.push((i, s, e));
+                    probed._leads.extend(lead);
+                }
+            }
+        }
+        Ok(probed)
+    }
+
+    /// The in-process tier for one key, at `now` (moved on by any wait). For a hot key that
+    /// just came free, one request asks Redis and the others wait for its answer. The waiting
+    /// is bounded in total by `probe_wait`, not per wake: a leader's answer can free the key
+    /// again a moment later (its request reached Redis a hair before its slot), and the
+    /// followers must then elect a new leader, not all go.
+    async fn probe_key<'s, G>(
+        &self,
+        l: &'s Limit,
+        key: &[u8],
+        cx: &Context<'_, G>,
+        now: &mut Micros,
+    ) -> Tier<'s> {
+        if !self.tier_enabled {
+            return Tier::Ask(None);
+        }
+        let deadline = cx.now + micros(cx.probe_wait);
+        loop {
+            if let Some(r) = l.tier.check(key, *now, l.delay_allowed(cx.allow_delay)) {
+                return Tier::Known(r);
+            }
+            if *now >= deadline {
+                return Tier::Ask(None);
+            }
+            match l.tier.begin(key, *now) {
+                Probe::Free => return Tier::Ask(None),
+                Probe::Lead(guard) => return Tier::Ask(Some(guard)),
+                Probe::Follow => {
+                    let left = Duration::from_micros(deadline - *now);
+                    l.tier.wait_probe(key, *now, left).await;
+                    *now = cx.clock.now();
+                }
+            }
+        }
+    }
+
+    /// Step 2: the local and eventual limits, checked but not charged, so that a rejection
+    /// there costs no round trip (`Err`: the request's answer). `Ok`: the local verdicts; the
+    /// eventual ones are in `results`. Both are checked again as they are charged.
+    fn check_in_process<G>(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        started: std::time::Instant,
+        results: &mut Results,
+    ) -> Result<SmallVec<[super::LocalVerdict; 4]>, Verdict> {
+        let checks = self.local_checks(keys, spans, cx, Limit::is_local);
+        let (local_ok, local) = super::local::check(&checks, cx.now);
+        let eventual = self.check_eventual(keys, spans, cx);
+        let eventual_ok = eventual
+            .iter()
+            .all(|(i, v)| v.is_ok() || self.limits[*i].shadow);
+        results.extend(eventual);
+        if local_ok && eventual_ok {
+            return Ok(local);
+        }
+        results.extend(self.local_indexes(spans).zip(local));
+        self.count_local(started);
+        Err(self.conclude(results))
+    }
+
+    /// Step 3: every global limit the tier left, in one call; the store charges them only if
+    /// every enforced one admits, and a shadow limit's rejection blocks nothing. A shadow
+    /// limit never changes what the client gets: when the call fails with no enforced limit in
+    /// it, the failure is counted and the shadow limits are left undecided (no 503, no
+    /// fallback charge).
+    async fn ask_global<G: GlobalStore>(
+        &self,
+        keys: &[u8],
+        to_store: &[Span],
+        cx: &Context<'_, G>,
+    ) -> Result<Decision, RedisError> {
+        let redis_keys: SmallVec<[String; 4]> = to_store
+            .iter()
+            .map(|&(i, s, e)| self.limits[i].redis_key(&keys[s..e]))
+            .collect();
+        let limits: SmallVec<[GlobalLimit<'_>; 4]> = to_store
+            .iter()
+            .zip(&redis_keys)
+            .map(|(&(i, _, _), key)| {
+                let l = &self.limits[i];
+                GlobalLimit {
+                    algorithm: &l.algorithm,
+                    key,
+                    cost: l.cost,
+                    max_delay: l.delay_allowed(cx.allow_delay),
+                }
+            })
+            .collect();
+        let shadow: SmallVec<[bool; 4]> =
+            to_store.iter().map(|s| self.limits[s.0].shadow).collect();
+        let Some(store) = cx.redis else {
+            return Err(RedisError::Unavailable);
+        };
+        match store.decide(&limits, &shadow).await {
+            Err(e) if !shadow.contains(&false) => {
+                cx.metrics.redis_error(e.kind());
+                Ok(Decision {
+                    admitted: true,
+                    per_limit: Vec::new(),
+                })
+            }
+            other => other,
+        }
+    }
+
+    /// Step 4: the store's verdicts into `results`, and into the in-process tier what they say
+    /// about the next request: a rejection until its `retry_after`; an admission only when the
+    /// request was charged (shadow limits too), for only then is there a new state to learn.
+    fn learn<G>(
+        &self,
+        keys: &[u8],
+        probed: &Probed<'_>,
+        decision: Decision,
+        cx: &Context<'_, G>,
+        results: &mut Results,
+    ) {
+        let charged = decision.admitted;
+        for (&(i, s, e), v) in probed.to_store.iter().zip(decision.per_limit) {
+            let l = &self.limits[i];
+            let (key, max_delay) = (&keys[s..e], l.delay_allowed(cx.allow_delay));
+            let v = match v {
+                LimitVerdict::Admitted { snapshot, delay } => {
+                    if self.tier_enabled && charged {
+                        let cost = l.cost;
+                        let alg = &l.algorithm;
+                        l.tier
+                            .admitted(key, probed.sent, alg, cost, &snapshot, max_delay);
+                    }
+                    Ok((snapshot, delay))
+                }
+                LimitVerdict::Rejected(r) => {
+                    if self.tier_enabled {
+                        l.tier.rejected(key, probed.sent, &r, max_delay);
+                    }
+                    Err(r)
+                }
+            };
+            results.push((i, v));
+        }
+    }
+
+    /// `redis.on_error`, when the store could not answer: `deny` answers 503 naming an enforced
+    /// limit (only their calls fail here); `allow` decides the global limits on their local
+    /// stores (same quota, per instance), with the local and eventual limits, and counts it.
+    fn on_store_error<G>(
+        &self,
+        e: RedisError,
+        keys: &[u8],
+        spans: &[Span],
+        to_store: &[Span],
+        cx: &Context<'_, G>,
+        mut results: Results,
+    ) -> Verdict {
+        cx.metrics.redis_error(e.kind());
+        if cx.on_error == OnError::Deny {
+            warn_deny(cx.now, &e);
+            let enforced = to_store.iter().find(|s| !self.limits[s.0].shadow);
+            return Verdict::Unavailable {
+                limit: enforced.map_or(0, |s| s.0),
+            };
+        }
+        self.tiers.fallback.inc();
+        let asked = |l: &Limit| to_store.iter().any(|s| std::ptr::eq(&self.limits[s.0], l));
+        let in_fallback = |l: &Limit| l.is_local() || asked(l);
+        self.commit_in_process(keys, spans, cx, in_fallback, &mut results);
+        for &(i, _, _) in to_store {
+            self.limits[i].metrics.fallback.inc();
+        }
+        self.conclude(&results)
+    }
+}

@@ -1,0 +1,155 @@
+//! A [`GlobalStore`] for the orchestration tests: it decides with the pure cores on the test's
+//! clock, as `decide.lua` does with their Lua mirror on Redis's; or fails as told.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use crate::limit::GlobalStore;
+use crate::limit::algorithm::{Algorithm, Micros, Snapshot};
+use crate::limit::clock::{Clock, ManualClock};
+use crate::limit::local::{self, LocalCheck, LocalStore};
+use crate::limit::redis::{Decision, GlobalLimit, LimitVerdict, RedisError};
+
+pub(super) struct FakeStore<'c> {
+    clock: &'c ManualClock,
+    /// One store per key, so a call's limits each lock their own (the keys of one call
+    /// differ: they hold their limit's name).
+    keys: Mutex<HashMap<String, Arc<LocalStore>>>,
+    /// Eventual limits' window counters (`sync.lua`) and TATs (`sync_gcra.lua`).
+    counters: Mutex<HashMap<String, u64>>,
+    /// Every call fails with this, when set.
+    fail: Mutex<Option<RedisError>>,
+    /// The next `decide` waits for this before deciding: a request overtaken by another
+    /// during its round trip.
+    parked: Mutex<Option<oneshot::Receiver<()>>>,
+    pub(super) decides: AtomicUsize,
+    pub(super) syncs: AtomicUsize,
+}
+
+impl<'c> FakeStore<'c> {
+    pub(super) fn new(clock: &'c ManualClock) -> Self {
+        Self {
+            clock,
+            keys: Mutex::default(),
+            counters: Mutex::default(),
+            fail: Mutex::default(),
+            parked: Mutex::default(),
+            decides: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
+        }
+    }
+
+    pub(super) fn fail_with(&self, e: Option<RedisError>) {
+        *self.fail.lock().unwrap() = e;
+    }
+
+    /// The next `decide` answers only once `until` fires (or its sender is dropped).
+    pub(super) fn park_next(&self, until: oneshot::Receiver<()>) {
+        *self.parked.lock().unwrap() = Some(until);
+    }
+
+    /// Units left at `key` now.
+    pub(super) fn remaining(&self, algorithm: &Algorithm, key: &str) -> u64 {
+        let now = self.clock.now();
+        self.store(key)
+            .peek(algorithm, key.as_bytes(), now)
+            .remaining
+    }
+
+    fn store(&self, key: &str) -> Arc<LocalStore> {
+        let mut keys = self.keys.lock().unwrap();
+        keys.entry(key.to_owned()).or_default().clone()
+    }
+
+    fn failure(&self) -> Result<(), RedisError> {
+        self.fail.lock().unwrap().clone().map_or(Ok(()), Err)
+    }
+}
+
+impl GlobalStore for FakeStore<'_> {
+    async fn decide(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+    ) -> Result<Decision, RedisError> {
+        self.decides.fetch_add(1, Ordering::SeqCst);
+        // Parked first: a call that fails (a timeout) takes its time too.
+        let parked = self.parked.lock().unwrap().take();
+        if let Some(until) = parked {
+            let _ = until.await;
+        }
+        self.failure()?;
+        let stores: Vec<Arc<LocalStore>> = limits.iter().map(|l| self.store(l.key)).collect();
+        let checks: Vec<LocalCheck<'_>> = limits
+            .iter()
+            .zip(&stores)
+            .enumerate()
+            .map(|(i, (l, store))| LocalCheck {
+                store,
+                algorithm: l.algorithm,
+                key: l.key.as_bytes(),
+                cost: l.cost,
+                max_delay: l.max_delay,
+                shadow: shadow.get(i).copied().unwrap_or(false),
+            })
+            .collect();
+        // All or nothing, a shadow limit's rejection blocking nothing: decide.lua's contract,
+        // which `local::decide` keeps too.
+        let (admitted, verdicts) = local::decide(&checks, self.clock.now());
+        let per_limit = verdicts
+            .into_iter()
+            .map(|v| match v {
+                Ok((snapshot, delay)) => LimitVerdict::Admitted { snapshot, delay },
+                Err(r) => LimitVerdict::Rejected(r),
+            })
+            .collect();
+        Ok(Decision {
+            admitted,
+            per_limit,
+        })
+    }
+
+    async fn peek(&self, limit: &GlobalLimit<'_>) -> Result<Snapshot, RedisError> {
+        self.failure()?;
+        let now = self.clock.now();
+        Ok(self
+            .store(limit.key)
+            .peek(limit.algorithm, limit.key.as_bytes(), now))
+    }
+
+    async fn sync_counts(
+        &self,
+        (curr, prev): (String, String),
+        (push_curr, push_prev): (u64, u64),
+        _ws: Micros,
+        _life: Micros,
+        _period: Micros,
+    ) -> Result<(u64, u64, Micros), RedisError> {
+        self.syncs.fetch_add(1, Ordering::SeqCst);
+        self.failure()?;
+        let mut counters = self.counters.lock().unwrap();
+        *counters.entry(curr.clone()).or_default() += push_curr;
+        *counters.entry(prev.clone()).or_default() += push_prev;
+        Ok((counters[&curr], counters[&prev], self.clock.now()))
+    }
+
+    async fn sync_gcra(
+        &self,
+        key: String,
+        units: u64,
+        (interval, tau): (Micros, Micros),
+    ) -> Result<(Micros, Micros), RedisError> {
+        self.syncs.fetch_add(1, Ordering::SeqCst);
+        self.failure()?;
+        let now = self.clock.now();
+        let mut counters = self.counters.lock().unwrap();
+        let tat = counters.entry(key).or_default();
+        if units > 0 {
+            *tat = ((*tat).max(now) + units * interval).min(now + tau);
+        }
+        Ok((*tat, now))
+    }
+}
