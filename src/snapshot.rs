@@ -14,12 +14,12 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Uri};
 use ipnet::IpNet;
 
-use crate::config::{Config, LimitConfig, OnError, RedisConfig, RedisTarget};
+use crate::config::{Config, LimitConfig, OnError, RedisConfig};
 use crate::connector::{Connector, Pools};
 use crate::limit::eventual::EventualStore;
 use crate::limit::local::LocalStore;
 use crate::limit::local::deny::DenyCache;
-use crate::limit::redis::{self, RedisSettings, RedisStore};
+use crate::limit::redis::{RedisSettings, RedisStore};
 use crate::limit::{Limit, LimitSet, TierMetrics};
 use crate::metrics::{Metrics, RouteMetrics, UNMATCHED_ROUTE};
 use crate::routing::RouteTable;
@@ -170,7 +170,7 @@ impl ConfigSnapshot {
                         (r.name.to_string(), l.name.to_string()),
                         (
                             l.config.clone(),
-                            (l.store.clone(), l.tier.clone(), l.eventual.clone()),
+                            (l.store.clone(), l.deny_cache.clone(), l.eventual.clone()),
                         ),
                     );
                 }
@@ -254,7 +254,7 @@ impl ConfigSnapshot {
             .flat_map(|r| r.limits.limits.iter())
             .map(|l| {
                 l.store.sweep(now)
-                    + l.tier.sweep(now)
+                    + l.deny_cache.sweep(now)
                     + l.eventual.as_ref().map_or(0, |e| e.sweep(now))
             })
             .sum()
@@ -275,10 +275,7 @@ fn same_state_shape(old: &LimitConfig, new: &LimitConfig) -> bool {
 
 fn settings(rc: &RedisConfig) -> RedisSettings {
     RedisSettings {
-        target: match &rc.target {
-            RedisTarget::Single(u) => redis::RedisTarget::Single(u.clone()),
-            RedisTarget::Cluster(us) => redis::RedisTarget::Cluster(us.clone()),
-        },
+        target: rc.target.clone(),
         timeout: rc.timeout,
         pool_size: rc.pool_size,
     }

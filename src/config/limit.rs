@@ -23,7 +23,7 @@ use super::validate::{Checked, at, duration_or, items, keyword, name, positive_d
 /// Global limits are computed in Lua, whose numbers are doubles (exact integers below 2^53);
 /// the scripts keep every parameter at most 2^50 so their sums stay exact (products beyond
 /// 2^53, as sliding_window's COUNT × PERIOD, go through an exact helper).
-const LUA_PARAM_MAX: u64 = crate::limit::redis::MAX_PARAM;
+const LUA_PARAM_MAX: u64 = super::redis::MAX_PARAM;
 
 pub(super) fn limit(
     raw: Spanned<RawLimit>,

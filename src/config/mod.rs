@@ -9,6 +9,7 @@
 mod limit;
 mod rate;
 mod raw;
+pub mod redis;
 mod summary;
 mod types;
 mod validate;

@@ -146,11 +146,15 @@ pub struct RedisConfig {
     pub pool_size: usize,
 }
 
-/// Serializes like the YAML: `{"url": ..}` or `{"cluster": [..]}`.
+/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}` or
+/// `{"cluster": [..]}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RedisTarget {
+    /// `redis://[user:pass@]host:port[/db]`; a `redis-cluster://host:port?node=h2:p2` URL
+    /// selects a cluster too.
     #[serde(rename = "url")]
     Single(#[serde(serialize_with = "serialize_redis_url")] String),
+    /// Seed nodes of a Redis Cluster (`redis://host:port` each); the rest is discovered.
     #[serde(rename = "cluster")]
     Cluster(#[serde(serialize_with = "serialize_redis_urls")] Vec<String>),
 }

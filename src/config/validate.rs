@@ -318,7 +318,7 @@ fn redis_url(t: &Text) -> Checked<String> {
             format!("redis URL `{url}` has no host: write redis://HOST:PORT"),
         ));
     }
-    if let Err(why) = crate::limit::redis::parse_url(url) {
+    if let Err(why) = super::redis::parse_url(url) {
         return Err(Invalid::new(
             at(t),
             format!("redis URL `{url}` does not parse: {why}"),

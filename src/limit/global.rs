@@ -219,18 +219,21 @@ impl LimitSet {
         }
         let deadline = cx.now + micros(cx.probe_wait);
         loop {
-            if let Some(r) = l.tier.check(key, *now, l.delay_allowed(cx.allow_delay)) {
+            if let Some(r) = l
+                .deny_cache
+                .check(key, *now, l.delay_allowed(cx.allow_delay))
+            {
                 return Tier::Known(r);
             }
             if *now >= deadline {
                 return Tier::Ask(None);
             }
-            match l.tier.begin(key, *now) {
+            match l.deny_cache.begin(key, *now) {
                 Probe::Free => return Tier::Ask(None),
                 Probe::Lead(guard) => return Tier::Ask(Some(guard)),
                 Probe::Follow => {
                     let left = Duration::from_micros(deadline - *now);
-                    l.tier.wait_probe(key, *now, left).await;
+                    l.deny_cache.wait_probe(key, *now, left).await;
                     *now = cx.clock.now();
                 }
             }
@@ -328,14 +331,14 @@ impl LimitSet {
                     if self.tier_enabled && charged {
                         let cost = l.cost;
                         let alg = &l.algorithm;
-                        l.tier
+                        l.deny_cache
                             .admitted(key, probed.sent, alg, cost, &snapshot, max_delay);
                     }
                     Ok((snapshot, delay))
                 }
                 LimitVerdict::Rejected(r) => {
                     if self.tier_enabled {
-                        l.tier.rejected(key, probed.sent, &r, max_delay);
+                        l.deny_cache.rejected(key, probed.sent, &r, max_delay);
                     }
                     Err(r)
                 }

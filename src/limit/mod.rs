@@ -69,7 +69,7 @@ pub struct Limit {
     /// is the fallback store used while Redis cannot answer.
     pub store: Arc<LocalStore>,
     /// Global limits: what Redis is known to reject (the in-process tier).
-    pub tier: Arc<DenyCache>,
+    pub deny_cache: Arc<DenyCache>,
     /// `consistency: eventual`: decided here on counts synced with Redis periodically.
     pub eventual: Option<Arc<EventualStore>>,
     /// Eventual limits: how often counts are exchanged with Redis.
@@ -87,7 +87,7 @@ impl Limit {
         route: &str,
         config: &LimitConfig,
         store: Arc<LocalStore>,
-        tier: Arc<DenyCache>,
+        deny_cache: Arc<DenyCache>,
         eventual: Option<Arc<EventualStore>>,
         metrics: LimitMetrics,
     ) -> Self {
@@ -114,7 +114,7 @@ impl Limit {
             },
             shadow: config.shadow,
             store,
-            tier,
+            deny_cache,
             eventual: match (config.scope, config.consistency) {
                 (Scope::Global, Consistency::Eventual) => Some(eventual.unwrap_or_default()),
                 _ => None,

@@ -41,11 +41,12 @@ mod breaker;
 mod error;
 mod script;
 
+pub use crate::config::redis::{MAX_PARAM, parse_url};
 pub use breaker::{Breaker, Health, Transition};
 pub use error::RedisError;
 pub use script::{
-    DECIDE_LUA, LIBRARY_LUA, Library, MAX_PARAM, PEEK_LUA, REFUND_LUA, ScriptPath, check_params,
-    hash_tag, library, redis_keys,
+    DECIDE_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, ScriptPath, check_params, hash_tag,
+    library, redis_keys,
 };
 
 use std::collections::BTreeMap;
@@ -100,14 +101,8 @@ impl RedisSettings {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RedisTarget {
-    /// `redis://[user:pass@]host:port[/db]`; a `redis-cluster://host:port?node=h2:p2` URL
-    /// selects a cluster too.
-    Single(String),
-    /// Seed nodes of a Redis Cluster (`redis://host:port` each); the rest is discovered.
-    Cluster(Vec<String>),
-}
+/// Which Redis: the config's own type, so the file's choice reaches the store unconverted.
+pub use crate::config::RedisTarget;
 
 /// One of a request's global limits, as the store needs it.
 #[derive(Clone, Copy, Debug)]
@@ -270,15 +265,6 @@ impl Drop for Inner {
     }
 }
 
-const REDIS_SCHEMES: [&str; 6] = [
-    "redis",
-    "rediss",
-    "redis-cluster",
-    "rediss-cluster",
-    "redis-sentinel",
-    "rediss-sentinel",
-];
-
 /// A command that ran out of time: a `timeout` when the connection was up (Redis slow), a
 /// `connection` error when it never was (Redis down or restarting), so the metric tells the two
 /// apart.
@@ -288,20 +274,6 @@ fn timed_out(client: &fred::clients::Client) -> RedisError {
     } else {
         RedisError::Connection("not connected to redis within the timeout".into())
     }
-}
-
-/// A Redis URL as the client will read it, or why it cannot be read. Config validation calls
-/// this too, so a URL that `check` accepts is one `run` can use.
-pub fn parse_url(url: &str) -> Result<Config, String> {
-    // fred reads any scheme as a plain server; a typo like http:// must not pass.
-    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
-    if !scheme.is_some_and(|s| REDIS_SCHEMES.contains(&s)) {
-        return Err(format!(
-            "expected one of {}",
-            REDIS_SCHEMES.map(|s| format!("{s}://")).join(", ")
-        ));
-    }
-    Config::from_url(url).map_err(|e| e.details().to_string())
 }
 
 fn fred_config(target: &RedisTarget) -> Result<Config, RedisError> {

@@ -3,6 +3,7 @@
 //! documented at the top of `lua/decide.lua`, `lua/refund.lua` and `lua/peek.lua`; this file is
 //! their only Rust counterpart.
 
+use crate::config::redis::MAX_PARAM;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -44,10 +45,6 @@ pub const PEEK_LUA: &str = concat!(
     "\n",
     include_str!("lua/peek.lua")
 );
-
-/// Parameters and every value derived from them stay below this, so Lua's doubles (exact to
-/// 2^53) hold them exactly next to a µs timestamp (~1.7e15 today): 2^50 µs is 35 years.
-pub const MAX_PARAM: u64 = 1 << 50;
 
 /// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
 pub(super) const SYNC_LUA: &str = include_str!("lua/sync.lua");
