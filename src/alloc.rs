@@ -13,6 +13,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 /// The huge page size on x86-64 and the smallest block worth one.
 pub const HUGE: usize = 2 << 20;
 
+/// The global allocator `main` installs: [`System`], with blocks of [`HUGE`] bytes or more on
+/// huge pages.
 pub struct HugePages;
 
 /// The layout a block of `layout`'s size is really allocated with.

@@ -29,12 +29,15 @@ const REDIS_STARTUP_WAIT: Duration = Duration::from_secs(2);
 /// How often idle keys are swept out of the local stores.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Why the gateway could not start: [`App::from_file`] and [`App::bind`] fail with it.
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
     /// The cause is the error's source, which `main` prints after it (`{:#}`).
     #[error("cannot listen on {addr}")]
     Bind {
+        /// The address that could not be bound.
         addr: SocketAddr,
+        /// Why the OS refused it (address in use, permission denied...).
         source: std::io::Error,
     },
     /// What `tollgate check` says of the same addresses, rather than the second bind's
@@ -43,13 +46,17 @@ pub enum AppError {
         "listen {listen} and admin {admin} would bind the same port: give them different ports"
     )]
     SamePort {
+        /// The proxy listener's address (`--listen`, else `server.listen`).
         listen: SocketAddr,
+        /// The admin listener's address (`--admin`, else `server.admin`).
         admin: SocketAddr,
     },
+    /// The config file could not be read or is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
 }
 
+/// A gateway with both listeners bound and its pipeline built, ready to [`run`](App::run).
 pub struct App {
     shared: Arc<Shared>,
     proxy_listener: TcpListener,
@@ -143,18 +150,22 @@ impl App {
         })
     }
 
+    /// The address the proxy listener is bound to (a port 0 resolved to the port the OS chose).
     pub fn proxy_addr(&self) -> SocketAddr {
         self.proxy_listener
             .local_addr()
             .expect("a bound listener has an address")
     }
 
+    /// The address the admin listener is bound to (a port 0 resolved to the port the OS chose).
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_listener
             .local_addr()
             .expect("a bound listener has an address")
     }
 
+    /// The running gateway's state, for what the caller drives itself: `main` reloads on
+    /// SIGHUP with it, tests reload and inspect through it.
     pub fn shared(&self) -> Arc<Shared> {
         self.shared.clone()
     }

@@ -44,6 +44,7 @@ impl AtomicHistogram {
         }
     }
 
+    /// Counts `d` in its bucket and adds it to the sum.
     pub fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
         let i = self
@@ -56,6 +57,7 @@ impl AtomicHistogram {
         self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
+    /// Observations so far.
     pub fn count(&self) -> u64 {
         self.counts.iter().map(|c| c.load(Ordering::Relaxed)).sum()
     }
@@ -69,9 +71,11 @@ impl Histogram {
     fn latency() -> Self {
         Self(Arc::new(AtomicHistogram::new(&LATENCY_BUCKETS)))
     }
+    /// Counts `d` in its bucket and adds it to the sum.
     pub fn observe(&self, d: Duration) {
         self.0.observe(d)
     }
+    /// Observations so far.
     pub fn count(&self) -> u64 {
         self.0.count()
     }
@@ -165,6 +169,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// A fresh registry with every `tollgate_*` family, the Redis error and reload series at 0.
     pub fn new() -> Self {
         let mut registry = Registry::default();
         let requests = Family::default();
@@ -290,6 +295,7 @@ impl Metrics {
         }
     }
 
+    /// Handles for `route`'s series: requests by status, request and upstream durations.
     pub fn route(&self, route: &str) -> RouteMetrics {
         let label = RouteLabel {
             route: route.to_owned(),
@@ -303,6 +309,7 @@ impl Metrics {
         }
     }
 
+    /// Handles for one limit's series, created now so they read 0 before the first request.
     pub fn limit(&self, route: &str, limit: &str) -> LimitMetrics {
         let d = |decision| {
             self.decisions.get_or_create_owned(&RouteLimitDecision {
@@ -326,25 +333,32 @@ impl Metrics {
         }
     }
 
+    /// The `tollgate_limiter_duration_seconds` histogram of `scope`.
     pub fn limiter_duration(&self, scope: &'static str) -> Histogram {
         self.limiter_duration
             .get_or_create_owned(&ScopeLabel { scope })
     }
 
+    /// The `tollgate_limiter_tier_decisions_total` counter of `tier`, the store that answered,
+    /// within `scope`.
     pub fn tier(&self, scope: &'static str, tier: &'static str) -> Counter {
         self.decisions_by_tier
             .get_or_create_owned(&TierLabel { scope, tier })
     }
 
+    /// Counts one Redis failure of `kind` in `tollgate_redis_errors_total`.
     pub fn redis_error(&self, kind: &'static str) {
         self.redis_errors.get_or_create(&KindLabel { kind }).inc();
     }
 
+    /// Counts one config reload in `tollgate_config_reloads_total`: `success` if `ok`, else
+    /// `error`.
     pub fn reload(&self, ok: bool) {
         let result = if ok { "success" } else { "error" };
         self.reloads.get_or_create(&ResultLabel { result }).inc();
     }
 
+    /// Sets the `tollgate_local_keys` gauge: keys the in-process stores hold.
     pub fn set_local_keys(&self, n: usize) {
         self.local_keys.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
@@ -359,11 +373,15 @@ pub struct RouteMetrics {
     route: String,
     requests: Family<RouteStatus, Counter>,
     statuses: Box<[OnceLock<Counter>]>,
+    /// `tollgate_request_duration_seconds`: the whole request, from its head until the response
+    /// body is sent or the client goes away.
     pub request_duration: Histogram,
+    /// `tollgate_upstream_duration_seconds`: the upstream exchange, until the response head.
     pub upstream_duration: Histogram,
 }
 
 impl RouteMetrics {
+    /// Counts one request answered with `status` in `tollgate_requests_total`.
     pub fn request(&self, status: u16) {
         let make = || {
             self.requests.get_or_create_owned(&RouteStatus {
@@ -381,12 +399,24 @@ impl RouteMetrics {
 /// A limit's metric handles, resolved once per config build.
 #[derive(Clone, Debug)]
 pub struct LimitMetrics {
+    /// `decision="allowed"`: admitted by this limit without a wait.
     pub allowed: Counter,
+    /// `decision="rejected"`: refused by this limit (over the rate, or a key part missing or
+    /// ambiguous).
     pub rejected: Counter,
+    /// `decision="delayed"`: admitted with a reserved slot to wait for (a shadow limit's
+    /// reservation too, though nobody waits for it).
     pub delayed: Counter,
+    /// `decision="shadow_rejected"`: a `shadow` limit would have refused; the request went on.
     pub shadow_rejected: Counter,
+    /// `tollgate_fallback_decisions_total`: decided by the local store under `on_error: allow`
+    /// because Redis could not answer.
     pub fallback: Counter,
+    /// `tollgate_delay_seconds`: the wait this limit gave each request it delayed (never
+    /// observed for a shadow limit).
     pub delay: Histogram,
+    /// `tollgate_delayed_abandoned_total`: delayed requests whose client went away while
+    /// waiting; their slot stays consumed.
     pub abandoned: Counter,
 }
 

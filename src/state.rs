@@ -19,7 +19,9 @@ use crate::snapshot::ConfigSnapshot;
 pub struct Options {
     /// The file to reload from (`None`: the config was given in memory; reload is refused).
     pub config_path: Option<PathBuf>,
+    /// `--listen`: the proxy listener's address instead of `server.listen`.
     pub listen: Option<SocketAddr>,
+    /// `--admin`: the admin listener's address instead of `server.admin`.
     pub admin: Option<SocketAddr>,
 }
 
@@ -57,7 +59,10 @@ fn keep_listeners(cfg: &mut Config, running: &Config, options: &Options) {
 
 /// State shared by the proxy, the admin API and the background tasks.
 pub struct Shared {
+    /// What the proxy serves with: the config snapshot a reload swaps, the metrics, the clock
+    /// and the upstream connector.
     pub gateway: Arc<Gateway>,
+    /// What the gateway was started with; reloads read `config_path`.
     pub options: Options,
     /// Serialises reloads (file watcher, SIGHUP and the admin API may race).
     reload_lock: Mutex<()>,

@@ -36,9 +36,14 @@ pub use self::validate::{Listener, listen_addr, same_port};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{}", render(path, *line, *column, message))]
 pub struct ConfigError {
+    /// The config file the error is in.
     pub path: PathBuf,
+    /// 1-based; 0 when the file could not be read.
     pub line: u64,
+    /// 1-based; 0 when the file could not be read.
     pub column: u64,
+    /// What is wrong and, usually, how to fix it; a warning's message starts
+    /// with `warning:`.
     pub message: String,
 }
 

@@ -12,7 +12,9 @@ use serde::Serialize;
 /// `count` units per `period`: what one limit lets through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rate {
+    /// At least 1.
     pub count: u64,
+    /// Longer than zero, in whole milliseconds.
     pub period: Duration,
 }
 

@@ -12,6 +12,8 @@ use super::types::{
     RedisTarget, RouteConfig, Scope, redact_url,
 };
 
+/// What `tollgate check` prints for `cfg`: listeners, Redis (credentials redacted), and each
+/// route and limit with its defaults spelled out and its admission bound in words.
 pub fn summary(cfg: &Config) -> String {
     let mut out = String::new();
     let s = &cfg.server;

@@ -20,9 +20,12 @@ use serde::{Serialize, Serializer};
 use super::rate::DurationText;
 pub use super::rate::Rate;
 
+/// A validated `routes.yaml`, defaults applied: what the gateway runs.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Config {
+    /// The `server` section: listeners and process-wide settings.
     pub server: ServerConfig,
+    /// `None`: no `redis` section, so every limit is local to this instance.
     pub redis: Option<RedisConfig>,
     /// In file order: the first match wins.
     pub routes: Vec<RouteConfig>,
@@ -41,9 +44,13 @@ impl PartialEq for Config {
     }
 }
 
+/// The `server` section.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ServerConfig {
+    /// The proxy listener's address; default `0.0.0.0:8080`.
     pub listen: SocketAddr,
+    /// The admin listener's address (`/metrics`, `/healthz`, `/readyz`, `/admin/*`); default
+    /// `127.0.0.1:9090`.
     pub admin: SocketAddr,
     /// Peers whose `X-Forwarded-For` / `Forwarded` are believed.
     pub trusted_proxies: Vec<IpNet>,
@@ -74,8 +81,10 @@ pub struct ServerConfig {
 /// so a config that exists holds a usable certificate.
 #[derive(Clone, Debug, Serialize)]
 pub struct ListenerTls {
+    /// The certificate chain's PEM file, resolved against the config file's directory.
     #[serde(serialize_with = "serialize_path")]
     pub cert: PathBuf,
+    /// The private key's PEM file, resolved against the config file's directory.
     #[serde(serialize_with = "serialize_path")]
     pub key: PathBuf,
     /// Built from the two files: the chain, its key, ALPN `h2` and `http/1.1`.
@@ -94,6 +103,7 @@ impl PartialEq for ListenerTls {
 /// addition to the system roots. Serializes as its path.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UpstreamCa {
+    /// The bundle's file, resolved against the config file's directory.
     pub path: PathBuf,
     /// Every certificate of the bundle, each checked to be usable as a trust anchor.
     pub certs: Vec<CertificateDer<'static>>,
@@ -134,6 +144,7 @@ impl Default for ServerConfig {
     }
 }
 
+/// The `redis` section: where `global` limits keep their state.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RedisConfig {
     /// `url: ..` or `cluster: [..]` right in the section, as in the YAML.
@@ -142,7 +153,9 @@ pub struct RedisConfig {
     /// Per command: a slow Redis must not hold requests longer than this.
     #[serde(serialize_with = "serialize_duration")]
     pub timeout: Duration,
+    /// What `global` limits decide when Redis does not answer; default `allow`.
     pub on_error: OnError,
+    /// Redis clients in the pool, each pipelining many commands; default 2.
     pub pool_size: usize,
 }
 
@@ -169,9 +182,13 @@ pub enum OnError {
     Deny,
 }
 
+/// One entry of `routes`: which requests it takes, where it sends them and the limits they
+/// must pass.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouteConfig {
+    /// Unique among the routes; the `route` label of metrics and part of its limits' Redis keys.
     pub name: String,
+    /// Which requests are this route's; without `match` in the file, every request.
     #[serde(rename = "match")]
     pub matcher: RouteMatch,
     /// Balanced round-robin; never empty. Serialized as the YAML's `upstream`: one URL, or a
@@ -181,6 +198,7 @@ pub struct RouteConfig {
     /// Whole upstream exchange; past it the client gets 504.
     #[serde(serialize_with = "serialize_duration")]
     pub timeout: Duration,
+    /// Forward the client's `Host` (`false`: the upstream's); default `true`.
     pub preserve_host: bool,
     /// `RateLimit` fields on admitted responses too.
     pub headers: bool,
@@ -188,6 +206,7 @@ pub struct RouteConfig {
     pub limits: Vec<LimitConfig>,
 }
 
+/// A route's `match`: path, host and methods must all hold.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RouteMatch {
     /// `path: ..` or `path_prefix: ..` right in `match`, as in the YAML.
@@ -207,6 +226,7 @@ pub struct RouteMatch {
 /// Serializes like the YAML: `{"path": ..}` or `{"path_prefix": ..}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum PathMatch {
+    /// The request path must equal this.
     #[serde(rename = "path")]
     Exact(String),
     /// Without a trailing `/` (except `/` itself), so the matcher can test the
@@ -215,25 +235,35 @@ pub enum PathMatch {
     Prefix(String),
 }
 
+/// One entry of a route's `limits`: how its requests are keyed, counted and answered.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LimitConfig {
+    /// Unique within its route; the `limit` label of metrics, part of the Redis key, and the
+    /// name in `RateLimit-Policy`.
     pub name: String,
     /// Parts joined into the client key; never empty.
     pub key: Vec<KeyPart>,
+    /// Default `skip`.
     pub on_missing: OnMissing,
+    /// Default `gcra`.
     pub algorithm: AlgorithmKind,
+    /// `rate: COUNT/PERIOD`; how tightly any one period is bounded depends on `algorithm`.
     pub rate: Rate,
     /// gcra bucket depth; equals `rate.count` for the other algorithms.
     pub burst: u64,
+    /// Default `global` when there is a `redis` section, else `local`.
     pub scope: Scope,
     /// Units one request takes; validated to be admissible at least once.
     pub cost: u64,
+    /// Default `reject`.
     pub on_limit: OnLimit,
     /// Longest wait with `on_limit: delay` (0: never waits). Under `reject` it is what the file
     /// says and has no effect (the file is loaded with a warning then).
     pub max_delay: Duration,
     /// Count and report, never reject.
     pub shadow: bool,
+    /// Default `strict`. `eventual` needs `scope: global`, and loads as `strict` (with a
+    /// warning) where it could not keep its bound.
     pub consistency: Consistency,
     /// How often an `eventual` limit exchanges counts with Redis.
     pub sync_interval: Duration,
@@ -274,12 +304,20 @@ impl Serialize for LimitConfig {
 /// `path`, `method`, `route` or `literal:TEXT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyPart {
+    /// The client address: the socket peer or, when the peer is in `trusted_proxies`, the first
+    /// untrusted address of `X-Forwarded-For` / `Forwarded` from the right.
     Ip,
+    /// That request header's value.
     Header(http::HeaderName),
+    /// That query parameter's value, decoded.
     Query(String),
+    /// The request path, without the query.
     Path,
+    /// The request method.
     Method,
+    /// The matched route's name.
     Route,
+    /// This text, the same for every request (`literal:all`: one bucket every client shares).
     Literal(String),
 }
 
@@ -334,14 +372,22 @@ keyword_enum!(
 keyword_enum!(
     /// `token_bucket` and `leaky_bucket` are GCRA: same admissions, one timestamp of state.
     AlgorithmKind {
+        /// One timestamp per key; at most `burst + count` in any period.
         Gcra = "gcra",
+        /// One counter per aligned window; at most `count` in a window, `2 × count` across a
+        /// boundary.
         FixedWindow = "fixed_window",
+        /// The aligned window's count plus the previous one's, weighted by overlap: about
+        /// `count` in any period.
         SlidingWindow = "sliding_window",
+        /// Every admission's timestamp: never more than `count` in any period, for memory that
+        /// grows with `count` per key.
         SlidingLog = "sliding_log",
     }
 );
 
 keyword_enum!(
+    /// Where a limit's state is kept, and so which instances share it.
     Scope {
         /// This instance only, in memory.
         Local = "local",
@@ -351,6 +397,7 @@ keyword_enum!(
 );
 
 keyword_enum!(
+    /// What a request over the limit gets.
     OnLimit {
         /// 429 at once.
         Reject = "reject",
@@ -360,6 +407,7 @@ keyword_enum!(
 );
 
 keyword_enum!(
+    /// Where a `global` limit's decisions are made.
     Consistency {
         /// Every decision made in Redis.
         Strict = "strict",

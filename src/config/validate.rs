@@ -173,7 +173,9 @@ fn socket_addr(t: &Text, listener: Listener) -> Checked<SocketAddr> {
 /// are not for the world unless an address says so).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Listener {
+    /// `server.listen` / `--listen`: a bare port means every IPv4 interface.
     Proxy,
+    /// `server.admin` / `--admin`: a bare port means loopback.
     Admin,
 }
 

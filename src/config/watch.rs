@@ -33,6 +33,8 @@ pub struct ConfigWatch {
 }
 
 impl ConfigWatch {
+    /// Starts watching `path` (through its directory); the file's bytes now are what
+    /// [`changed`](Self::changed) compares with first.
     pub fn new(path: &Path) -> notify::Result<Self> {
         let changed = Arc::new(tokio::sync::Notify::new());
         let n = changed.clone();

@@ -29,19 +29,27 @@ pub const MAX_PART_LEN: usize = 64;
 /// What the key of one limit is made of, compiled from the config.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KeySpec {
+    /// Joined with `|` in this order; never empty.
     pub parts: Vec<KeyPart>,
+    /// What [`KeySpec::build`] does when a part is absent from the request.
     pub on_missing: OnMissing,
 }
 
 /// The parts of a request a key can be built from.
 pub struct RequestParts<'a> {
+    /// For `method` parts.
     pub method: &'a Method,
+    /// For `path` and `query:NAME` parts.
     pub uri: &'a Uri,
+    /// For `header:NAME` parts.
     pub headers: &'a HeaderMap,
+    /// The client's address, already resolved through `trusted_proxies`: the `ip` part, and the
+    /// key under `on_missing: ip`.
     pub client_ip: IpAddr,
     /// `client_ip`'s text when the caller has it already (the HTTP/1.1 path keeps its peer's
     /// per connection), so a key's `ip` part does not format it again.
     pub client_ip_text: Option<&'a [u8]>,
+    /// The matched route's name, for `route` parts.
     pub route: &'a str,
 }
 
@@ -158,12 +166,14 @@ pub struct IpText {
 }
 
 impl IpText {
+    /// Formats `ip` once, as [`ip_text`] does.
     pub fn new(ip: IpAddr) -> Self {
         let mut buf = [0; IP_TEXT_MAX];
         let len = ip_text(ip, &mut buf).len() as u8;
         Self { buf, len }
     }
 
+    /// The address's text.
     pub fn as_bytes(&self) -> &[u8] {
         &self.buf[..usize::from(self.len)]
     }

@@ -47,6 +47,7 @@ impl Format {
         best.1
     }
 
+    /// The `Content-Type` of a `/metrics` answer in this format.
     pub fn content_type(self) -> &'static str {
         match self {
             Format::Text => "text/plain; version=0.0.4; charset=utf-8",
