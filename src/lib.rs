@@ -5,7 +5,7 @@
 //! counted in [`metrics`]; [`config`] validates `routes.yaml` into the types a config
 //! [`snapshot`] is built from, and [`app`] wires it all and runs it; [`admin`] serves the operator
 //! endpoints on their own listener.
-#![warn(unreachable_pub)]
+#![warn(missing_docs, unreachable_pub)]
 
 mod admin;
 pub mod alloc;

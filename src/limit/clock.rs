@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::algorithm::Micros;
 
+/// Where local limits read the time: [`TokioClock`] in the gateway, [`ManualClock`] in tests.
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     /// Monotonic microseconds since an epoch (for [`TokioClock`], about 1970).
     fn now(&self) -> Micros;
@@ -21,6 +22,7 @@ pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     }
 }
 
+/// The clock handle the gateway passes around.
 pub type SharedClock = Arc<dyn Clock>;
 
 /// Monotonic clock on `tokio::time::Instant` (follows a paused test runtime), counted from the
@@ -36,6 +38,7 @@ pub struct TokioClock {
 }
 
 impl TokioClock {
+    /// A clock counting on from the wall-clock time now (never less than a day past 1970).
     pub fn new() -> Self {
         let wall = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -83,12 +86,15 @@ impl Clock for TokioClock {
 pub struct ManualClock(AtomicU64);
 
 impl ManualClock {
+    /// A clock reading `start` until moved.
     pub fn new(start: Micros) -> Self {
         Self(AtomicU64::new(start))
     }
+    /// Sets the time to `t` (microseconds); it may move backwards.
     pub fn set(&self, t: Micros) {
         self.0.store(t, Ordering::SeqCst)
     }
+    /// Moves the time forward by `d` microseconds.
     pub fn advance(&self, d: Micros) {
         self.0.fetch_add(d, Ordering::SeqCst);
     }

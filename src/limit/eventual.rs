@@ -139,9 +139,14 @@ impl Counts {
 /// One key's push/pull, as taken by [`EventualStore::due`].
 #[derive(Clone, Debug)]
 pub struct SyncItem {
+    /// The key, as the limit's store holds it (without the Redis prefix).
     pub key: Vec<u8>,
+    /// Start of the window the units below belong to, or whose totals are pulled (Redis time;
+    /// gcra: the window of the key's last decision).
     pub ws: Micros,
+    /// Units admitted here in window `ws` and not pushed yet (gcra: all its unpushed units).
     pub push_curr: u64,
+    /// Units admitted here in the window before `ws` and not pushed yet (gcra: none).
     pub push_prev: u64,
 }
 
@@ -181,6 +186,7 @@ pub struct LearnGuard<'a> {
 }
 
 impl LearnGuard<'_> {
+    /// The key being learned.
     pub fn key(&self) -> &[u8] {
         &self.key
     }
@@ -210,6 +216,8 @@ impl Drop for LearnGuard<'_> {
     }
 }
 
+/// One eventual limit's per-key counts on this instance, and this instance's offset to
+/// Redis's clock.
 #[derive(Default)]
 pub struct EventualStore {
     map: Sharded<Counts>,
@@ -589,6 +597,8 @@ impl EventualStore {
         });
     }
 
+    /// Drops every key that no decision reads any more (its windows past and, for gcra, its TAT
+    /// reached); returns the number kept.
     pub fn sweep(&self, local_now: Micros) -> usize {
         self.map.sweep(self.redis_now(local_now))
     }

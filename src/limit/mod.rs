@@ -56,14 +56,21 @@ use redis::RedisStore;
 /// One limit of a route, compiled from its config.
 #[derive(Debug)]
 pub struct Limit {
+    /// The limit's `name`, as the config, the metrics and the `RateLimit` fields give it.
     pub name: Arc<str>,
+    /// The config it was compiled from, kept so a reload can tell whether the definition changed.
     pub config: LimitConfig,
+    /// How the request's key for this limit is built (`key`, `on_missing`).
     pub key: KeySpec,
+    /// The algorithm with its quota.
     pub algorithm: Algorithm,
+    /// Units one request takes (`cost`, default 1).
     pub cost: u64,
+    /// `local` (this instance) or `global` (Redis).
     pub scope: Scope,
     /// 0 unless `on_limit: delay`.
     pub max_delay: Micros,
+    /// `shadow: true`: decided and counted, but never rejects and never shows in headers.
     pub shadow: bool,
     /// Kept across reloads when the limit's definition is unchanged. For a global limit it
     /// is the fallback store used while Redis cannot answer.
@@ -77,12 +84,16 @@ pub struct Limit {
     /// Global limits: `tg:{ROUTE/LIMIT/` — the key value and `}` complete a Redis key whose
     /// hash tag holds all of it, so one limit's keys share a Cluster slot.
     pub redis_prefix: String,
+    /// This limit's decision counters, labelled with its route.
     pub metrics: LimitMetrics,
     /// The `RateLimit-Policy` item, formatted once: `"name";q=100;w=60`.
     pub policy: HeaderValue,
 }
 
 impl Limit {
+    /// Compiles `config` for `route` with the stores given (carried over by a reload when the
+    /// definition is unchanged). `eventual` is kept only by a global `consistency: eventual`
+    /// limit, which gets a fresh store when it is `None`.
     pub fn new(
         route: &str,
         config: &LimitConfig,
@@ -126,6 +137,7 @@ impl Limit {
         }
     }
 
+    /// The Redis base key of `key` for this limit: `redis_prefix`, the key, then `}`.
     pub fn redis_key(&self, key: &[u8]) -> String {
         let mut k = String::with_capacity(self.redis_prefix.len() + key.len() + 1);
         k.push_str(&self.redis_prefix);
@@ -262,6 +274,7 @@ fn policy_window_rounds_up_to_whole_seconds() {
     assert_eq!((w(500), w(1000), w(1500), w(60_000)), (1, 1, 2, 60));
 }
 
+/// `d` in microseconds, saturating at `u64::MAX`.
 pub fn micros(d: Duration) -> Micros {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
@@ -284,9 +297,12 @@ pub fn algorithm_for(config: &LimitConfig) -> Algorithm {
 /// What the `RateLimit` fields report: one limit's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeaderInfo {
+    /// Index of the limit in the route's limits.
     pub limit: usize,
+    /// Units left (`r` of the `RateLimit` field).
     pub remaining: u64,
-    /// Seconds part of the `RateLimit` field (`t`).
+    /// Time until the limit is full again; `t` of the `RateLimit` field, sent in whole seconds
+    /// rounded up.
     pub reset_after: Micros,
 }
 
@@ -295,19 +311,42 @@ pub struct HeaderInfo {
 pub enum Verdict {
     /// Forward (after `delay`, when a slot was reserved). `info`: most restrictive limit.
     Admit {
+        /// How long to wait before forwarding (zero when admitted at once).
         delay: Duration,
         /// The limit that reserved the slot being waited for, when `delay` > 0.
         delayed_by: Option<usize>,
+        /// The `RateLimit` fields to send: the most restrictive enforced limit's; `None` when no
+        /// enforced limit decided.
         info: Option<HeaderInfo>,
     },
     /// 429 from `limit` (index into the route's limits).
-    Reject { limit: usize, rejection: Rejection },
+    Reject {
+        /// Index of the rejecting limit in the route's limits (of several, the one with the
+        /// longest `retry_after`).
+        limit: usize,
+        /// Its answer, which the headers and the body report.
+        rejection: Rejection,
+    },
     /// `on_missing: reject` and the named key part is absent.
-    MissingKey { limit: usize, part: String },
+    MissingKey {
+        /// Index of the limit in the route's limits.
+        limit: usize,
+        /// The absent key part, as the config writes it (`header:x-user-id`).
+        part: String,
+    },
     /// The named key part has several differing values: 400 (see [`KeyOutcome::Ambiguous`]).
-    AmbiguousKey { limit: usize, part: String },
+    AmbiguousKey {
+        /// Index of the limit in the route's limits.
+        limit: usize,
+        /// The key part with differing values, as the config writes it.
+        part: String,
+    },
     /// Redis could not answer and `redis.on_error: deny`: 503.
-    Unavailable { limit: usize },
+    Unavailable {
+        /// Index of the first enforced global limit left unanswered (0 when only shadow ones
+        /// were asked).
+        limit: usize,
+    },
 }
 
 /// What a decision needs besides the request.
@@ -330,9 +369,11 @@ pub struct Context<'a, G = RedisStore> {
     /// The global store (Redis); `None` when it could not be set up: every global decision
     /// is then a failure, which `on_error` decides.
     pub redis: Option<&'a G>,
+    /// `redis.on_error`: what global limits do when Redis cannot answer.
     pub on_error: OnError,
     /// `false` when the route's waiter cap is full: a request that would wait is rejected.
     pub allow_delay: bool,
+    /// Where Redis errors are counted (each limit counts its decisions in its own `metrics`).
     pub metrics: &'a Metrics,
 }
 
@@ -348,16 +389,25 @@ impl<G> Copy for Context<'_, G> {}
 /// Counters and timers of the tiers, resolved once per config build.
 #[derive(Debug, Clone)]
 pub struct TierMetrics {
+    /// Decisions made in process (local and eventual limits only).
     pub local: Counter,
+    /// Global decisions answered by the in-process tier, without Redis.
     pub in_process: Counter,
+    /// Global decisions Redis answered.
     pub redis: Counter,
+    /// Global decisions made by the local stores because Redis could not answer
+    /// (`on_error: allow`).
     pub fallback: Counter,
+    /// Time of the decisions made in process.
     pub local_duration: Histogram,
+    /// Time of the decisions the in-process tier answered.
     pub in_process_duration: Histogram,
+    /// Time of the decisions that asked Redis, answered or not.
     pub global_duration: Histogram,
 }
 
 impl TierMetrics {
+    /// Resolves the handles in `m`.
     pub fn new(m: &Metrics) -> Self {
         Self {
             local: m.tier("local", "local"),
@@ -371,8 +421,10 @@ impl TierMetrics {
     }
 }
 
+/// A route's limits, decided together: all admit, or none consumes.
 #[derive(Debug)]
 pub struct LimitSet {
+    /// In config order; a [`Verdict`]'s `limit` is an index into it.
     pub limits: Vec<Limit>,
     /// Whether any limit can reserve (so the proxy knows to count waiters).
     pub can_delay: bool,
@@ -415,6 +467,7 @@ impl LimitSet {
         }
     }
 
+    /// Whether the route has no limits (every request is admitted undecided).
     pub fn is_empty(&self) -> bool {
         self.limits.is_empty()
     }

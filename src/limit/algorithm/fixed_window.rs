@@ -16,6 +16,7 @@ pub struct WindowState {
     pub count: u64,
 }
 
+/// Fixed window: at most `count` units in each aligned window of `period` microseconds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FixedWindow {
     quota: Quota,
@@ -24,6 +25,7 @@ pub struct FixedWindow {
 }
 
 impl FixedWindow {
+    /// The fixed window for `quota` (`burst` is not used).
     pub fn new(quota: Quota) -> Self {
         Self {
             quota,
@@ -31,10 +33,12 @@ impl FixedWindow {
         }
     }
 
+    /// The quota this was built from.
     pub fn quota(&self) -> Quota {
         self.quota
     }
 
+    /// The state of a fresh key: nothing counted.
     pub fn new_state(&self) -> WindowState {
         WindowState::default()
     }
@@ -55,6 +59,8 @@ impl FixedWindow {
         }
     }
 
+    /// Admits while the current window's count plus `cost` stays within `count`; a rejection
+    /// waits for the window's end. See [`Algorithm::check`](super::Algorithm::check).
     pub fn check(
         &self,
         state: &WindowState,
@@ -79,6 +85,8 @@ impl FixedWindow {
         }
     }
 
+    /// Adds `cost` to the window containing `now`, starting a new count when the window has
+    /// moved on.
     pub fn commit(&self, state: &mut WindowState, now: Micros, cost: u64) {
         let (ws, _) = self.window(now);
         if state.start != ws {
@@ -90,6 +98,8 @@ impl FixedWindow {
         state.count = state.count.saturating_add(cost);
     }
 
+    /// Units left in the window containing `now`, and the time to its end (0 when it counts
+    /// nothing).
     pub fn peek(&self, state: &WindowState, now: Micros) -> Snapshot {
         let c = self.counted(state, now);
         Snapshot {
@@ -98,6 +108,7 @@ impl FixedWindow {
         }
     }
 
+    /// The end of the counted window (0 when nothing is counted).
     pub fn full_at(&self, state: &WindowState) -> Micros {
         if state.count == 0 {
             0
@@ -106,10 +117,12 @@ impl FixedWindow {
         }
     }
 
+    /// `count`: a window never admits more.
     pub fn max_cost(&self) -> u64 {
         self.quota.count
     }
 
+    /// Always `false`: see [`FixedWindow::reserve`].
     pub fn can_reserve(&self) -> bool {
         false
     }

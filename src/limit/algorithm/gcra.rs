@@ -14,6 +14,7 @@ use super::{Micros, Quota, Rejection, Snapshot};
 /// initialisation and an evicted key comes back exactly as it left.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct GcraState {
+    /// When the bucket is full again, in microseconds on the deciding clock; 0 for a fresh key.
     pub tat: Micros,
 }
 
@@ -37,6 +38,7 @@ struct Decision {
 }
 
 impl Gcra {
+    /// GCRA for `quota`, with `T` and `tau` derived from it.
     pub fn new(quota: Quota) -> Self {
         // count and period are > 0 by config; max(1) only keeps a bad value from panicking.
         let interval = quota.period.div_ceil(quota.count.max(1)).max(1);
@@ -47,6 +49,7 @@ impl Gcra {
         }
     }
 
+    /// The quota this was built from.
     pub fn quota(&self) -> Quota {
         self.quota
     }
@@ -61,6 +64,7 @@ impl Gcra {
         self.tau
     }
 
+    /// The state of a fresh key: TAT 0, a full bucket.
     pub fn new_state(&self) -> GcraState {
         GcraState::default()
     }
@@ -80,6 +84,9 @@ impl Gcra {
         (self.tau - ahead.min(self.tau)) / self.interval
     }
 
+    /// Admits when `cost` units move the TAT no further than `tau` ahead of `now`; a rejection's
+    /// `retry_after` is the wait until they would.
+    /// See [`Algorithm::check`](super::Algorithm::check).
     pub fn check(&self, state: &GcraState, now: Micros, cost: u64) -> Result<Snapshot, Rejection> {
         let d = self.decide(state, now, cost);
         if d.allow_at > now {
@@ -97,10 +104,12 @@ impl Gcra {
         }
     }
 
+    /// Moves the TAT on from `max(TAT, now)` by `T` per unit of `cost`.
     pub fn commit(&self, state: &mut GcraState, now: Micros, cost: u64) {
         state.tat = self.decide(state, now, cost).new_tat;
     }
 
+    /// Whole units takeable at `now`, and the time until the TAT (the bucket full).
     pub fn peek(&self, state: &GcraState, now: Micros) -> Snapshot {
         let ahead = state.tat.max(now) - now;
         Snapshot {
@@ -109,14 +118,17 @@ impl Gcra {
         }
     }
 
+    /// The TAT: from then on the bucket is full.
     pub fn full_at(&self, state: &GcraState) -> Micros {
         state.tat
     }
 
+    /// `burst`: more never fits in the bucket, however long the wait.
     pub fn max_cost(&self) -> u64 {
         self.quota.burst
     }
 
+    /// Always `true`: GCRA orders its capacity in time (see [`Gcra::reserve`]).
     pub fn can_reserve(&self) -> bool {
         true
     }

@@ -58,17 +58,24 @@ pub struct Rejection {
 /// One limit's algorithm with its parameters, compiled from the config once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Algorithm {
+    /// `gcra` (also `token_bucket` and `leaky_bucket`).
     Gcra(Gcra),
+    /// `fixed_window`.
     FixedWindow(FixedWindow),
+    /// `sliding_window`.
     SlidingWindow(SlidingWindow),
+    /// `sliding_log`.
     SlidingLog(SlidingLog),
 }
 
 /// Per-key state of any algorithm. A fresh key starts from [`Algorithm::new_state`] ("full").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum State {
+    /// State of a [`Gcra`] limit.
     Gcra(GcraState),
+    /// State of a [`FixedWindow`] limit.
     FixedWindow(WindowState),
+    /// State of a [`SlidingWindow`] limit.
     SlidingWindow(SlidingState),
     /// Boxed: a log is rare and large; inline it would make every key's state (in every
     /// store entry, for every algorithm) as big as a `VecDeque`.
@@ -115,6 +122,7 @@ macro_rules! with_state {
 }
 
 impl Algorithm {
+    /// The quota the algorithm was built from.
     pub fn quota(&self) -> Quota {
         match self {
             Algorithm::Gcra(a) => a.quota(),

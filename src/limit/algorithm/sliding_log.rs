@@ -19,6 +19,8 @@ pub struct LogState {
     pub sum: u64,
 }
 
+/// Sliding log: at most `count` units in any `period` microseconds, counted exactly from a log
+/// of admissions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlidingLog {
     quota: Quota,
@@ -33,14 +35,17 @@ struct Live {
 }
 
 impl SlidingLog {
+    /// The sliding log for `quota` (`burst` is not used).
     pub fn new(quota: Quota) -> Self {
         Self { quota }
     }
 
+    /// The quota this was built from.
     pub fn quota(&self) -> Quota {
         self.quota
     }
 
+    /// The state of a fresh key: an empty log.
     pub fn new_state(&self) -> LogState {
         LogState::default()
     }
@@ -73,6 +78,9 @@ impl SlidingLog {
         }
     }
 
+    /// Admits when the live entries plus `cost` stay within `count`; a rejection waits until
+    /// enough of the oldest entries have expired.
+    /// See [`Algorithm::check`](super::Algorithm::check).
     pub fn check(&self, state: &LogState, now: Micros, cost: u64) -> Result<Snapshot, Rejection> {
         let live = self.live(state, now);
         let limit = self.quota.count;
@@ -108,6 +116,8 @@ impl SlidingLog {
         })
     }
 
+    /// Drops the entries expired at `now` and records `cost` at `now` (added to the newest entry
+    /// when that is not older; a cost of 0 records nothing).
     pub fn commit(&self, state: &mut LogState, now: Micros, cost: u64) {
         while let Some(&(ts, c)) = state.entries.front() {
             if self.expires_at(ts) > now {
@@ -128,6 +138,7 @@ impl SlidingLog {
         state.sum = state.sum.saturating_add(cost);
     }
 
+    /// Units left at `now`, and the time until the newest entry expires (the log empty).
     pub fn peek(&self, state: &LogState, now: Micros) -> Snapshot {
         Snapshot {
             remaining: self.quota.count.saturating_sub(self.live(state, now).used),
@@ -135,6 +146,7 @@ impl SlidingLog {
         }
     }
 
+    /// When the newest entry expires (0 for an empty log).
     pub fn full_at(&self, state: &LogState) -> Micros {
         match state.entries.back() {
             Some(&(ts, _)) => self.expires_at(ts),
@@ -142,10 +154,12 @@ impl SlidingLog {
         }
     }
 
+    /// `count`: the log never holds more live units.
     pub fn max_cost(&self) -> u64 {
         self.quota.count
     }
 
+    /// Always `false`: see [`SlidingLog::reserve`].
     pub fn can_reserve(&self) -> bool {
         false
     }

@@ -22,6 +22,8 @@ pub struct SlidingState {
     pub prev: u64,
 }
 
+/// Sliding window counter: about `count` units per sliding `period` microseconds, estimated
+/// from the counters of two aligned windows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlidingWindow {
     quota: Quota,
@@ -40,6 +42,7 @@ struct Normalised {
 }
 
 impl SlidingWindow {
+    /// The sliding window for `quota` (`burst` is not used).
     pub fn new(quota: Quota) -> Self {
         Self {
             quota,
@@ -47,10 +50,12 @@ impl SlidingWindow {
         }
     }
 
+    /// The quota this was built from.
     pub fn quota(&self) -> Quota {
         self.quota
     }
 
+    /// The state of a fresh key: both counters 0.
     pub fn new_state(&self) -> SlidingState {
         SlidingState::default()
     }
@@ -129,6 +134,9 @@ impl SlidingWindow {
         n.to_end.saturating_add(e as Micros)
     }
 
+    /// Admits when the weighted count (the previous window's, scaled by how much of it the
+    /// sliding period still overlaps, plus the current window's and `cost`) stays within `count`.
+    /// See [`Algorithm::check`](super::Algorithm::check).
     pub fn check(
         &self,
         state: &SlidingState,
@@ -151,6 +159,7 @@ impl SlidingWindow {
         }
     }
 
+    /// Rolls the counters to the window containing `now` and adds `cost` to the current one.
     pub fn commit(&self, state: &mut SlidingState, now: Micros, cost: u64) {
         let n = self.normalise(state, now);
         *state = SlidingState {
@@ -160,6 +169,7 @@ impl SlidingWindow {
         };
     }
 
+    /// Whole units takeable at `now`, and the time until neither counter counts any more.
     pub fn peek(&self, state: &SlidingState, now: Micros) -> Snapshot {
         let n = self.normalise(state, now);
         Snapshot {
@@ -168,6 +178,8 @@ impl SlidingWindow {
         }
     }
 
+    /// When neither counter counts any more: two periods after `start` when the current window
+    /// holds units, one when only the previous does, 0 when both are empty.
     pub fn full_at(&self, state: &SlidingState) -> Micros {
         if state.curr > 0 {
             state.start.saturating_add(self.period.saturating_mul(2))
@@ -178,10 +190,12 @@ impl SlidingWindow {
         }
     }
 
+    /// `count`: a window never admits more.
     pub fn max_cost(&self) -> u64 {
         self.quota.count
     }
 
+    /// Always `false`: see [`SlidingWindow::reserve`].
     pub fn can_reserve(&self) -> bool {
         false
     }

@@ -36,6 +36,8 @@ struct Deny {
 /// key that just became admissible again are funnelled through one Redis call.
 const PROBE_WINDOW: Micros = 1_000_000;
 
+/// What Redis is known to reject right now, per key of one global limit: the in-process tier
+/// (see the module).
 #[derive(Default)]
 pub struct DenyCache {
     map: Sharded<Deny>,
@@ -238,14 +240,18 @@ impl DenyCache {
         );
     }
 
+    /// Drops every entry expired at `now` (an entry outlives its `admit_at` by a second, the probe
+    /// window); returns the number kept.
     pub fn sweep(&self, now: Micros) -> usize {
         self.map.sweep(now)
     }
 
+    /// Entries held, expired ones not yet swept included.
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    /// Whether no entry is held, expired ones included.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }

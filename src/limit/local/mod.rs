@@ -34,6 +34,7 @@ impl std::fmt::Debug for LocalStore {
 }
 
 impl LocalStore {
+    /// An empty store.
     pub fn new() -> Self {
         Self::default()
     }
@@ -53,10 +54,12 @@ impl LocalStore {
         self.map.sweep(now)
     }
 
+    /// Keys held, including those back to full that no sweep has dropped yet.
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    /// Whether no key is held.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
@@ -80,9 +83,13 @@ fn commit(shard: &mut Shard<State>, found: Found, hash: u64, c: &LocalCheck<'_>,
 
 /// One local limit of a request, ready to decide.
 pub struct LocalCheck<'a> {
+    /// The limit's store.
     pub store: &'a LocalStore,
+    /// The limit's algorithm.
     pub algorithm: &'a Algorithm,
+    /// The request's key for this limit.
     pub key: &'a [u8],
+    /// Units the request takes.
     pub cost: u64,
     /// 0: admit now or reject. > 0: gcra may reserve a slot this far ahead.
     pub max_delay: Micros,

@@ -215,6 +215,7 @@ impl<V> Shard<V> {
 #[repr(align(64))]
 struct Padded<V>(Mutex<Shard<V>>);
 
+/// The map: [`SHARDS`] [`Shard`]s, each behind its own mutex, picked by the key's hash.
 pub struct Sharded<V> {
     shards: Box<[Padded<V>]>,
     hasher: foldhash::fast::RandomState,
@@ -233,6 +234,8 @@ impl<V> Default for Sharded<V> {
 }
 
 impl<V> Sharded<V> {
+    /// The key's hash, computed once per request for both [`Sharded::lock`] and the shard's
+    /// lookup.
     pub fn hash(&self, key: &[u8]) -> u64 {
         self.hasher.hash_one(key)
     }
@@ -251,6 +254,7 @@ impl<V> Sharded<V> {
         kept
     }
 
+    /// Entries held in all shards, expired ones not yet swept included; locks each shard in turn.
     pub fn len(&self) -> usize {
         self.shards.iter().map(|s| s.0.lock().len()).sum()
     }
@@ -265,6 +269,7 @@ impl<V> Sharded<V> {
         }
     }
 
+    /// Whether no shard holds an entry, expired ones included.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

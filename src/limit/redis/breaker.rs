@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+/// The breaker's state: whether requests go to Redis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Health {
     /// No answer from Redis yet: requests go through, the probe runs.
@@ -16,19 +17,25 @@ pub enum Health {
     /// Redis answered last time.
     Closed,
     /// Too many consecutive failures since `since`: requests are refused without I/O.
-    Open { since: Instant },
+    Open {
+        /// When it opened.
+        since: Instant,
+    },
 }
 
 /// A change worth a log line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transition {
+    /// Consecutive outage failures reached the threshold: requests now skip Redis.
     Opened,
-    /// `after` is how long it was open (zero when it closes from `Unknown`).
+    /// Redis answered while the breaker was open or unknown: requests go to it again.
     Closed {
+        /// How long it was open (zero when it closes from `Unknown`).
         after: Duration,
     },
 }
 
+/// The circuit breaker (see the module); the caller passes the time in.
 #[derive(Clone, Debug)]
 pub struct Breaker {
     health: Health,
@@ -39,6 +46,8 @@ pub struct Breaker {
 }
 
 impl Breaker {
+    /// A breaker in [`Health::Unknown`] that opens after `threshold` consecutive outage failures
+    /// (at least 1) and then probes every `probe_every`.
     pub fn new(threshold: u32, probe_every: Duration) -> Self {
         Self {
             health: Health::Unknown,
@@ -49,14 +58,17 @@ impl Breaker {
         }
     }
 
+    /// The current state.
     pub fn health(&self) -> Health {
         self.health
     }
 
+    /// Consecutive outage failures that open the breaker.
     pub fn threshold(&self) -> u32 {
         self.threshold
     }
 
+    /// How often the probe PINGs while the breaker is not closed.
     pub fn probe_every(&self) -> Duration {
         self.probe_every
     }

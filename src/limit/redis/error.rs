@@ -9,17 +9,25 @@
 
 use fred::error::{Error as FredError, ErrorKind};
 
+/// Why a Redis call gave no usable answer.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RedisError {
+    /// No answer within `redis.timeout` (default 50 ms); the command, once written, may still
+    /// run on Redis.
     #[error("redis did not answer within the timeout")]
     Timeout,
     /// The circuit breaker is open: Redis failed repeatedly and was not asked at all.
     #[error("redis unavailable (circuit breaker open)")]
     Unavailable,
+    /// The connection failed, or Redis replied that it cannot serve now (`LOADING`, `BUSY`,
+    /// `READONLY`, ...).
     #[error("redis connection error: {0}")]
     Connection(String),
+    /// The command is wrong: Redis answered it with an error (a failing script, say), or its
+    /// parameters were refused before sending. A bug or a bad deployment; a retry will not help.
     #[error("redis script error: {0}")]
     Script(String),
+    /// A reply of the wrong shape, or one that cannot be decoded.
     #[error("unexpected redis reply: {0}")]
     Protocol(String),
     /// A Cluster redirection the client did not follow: a key in a slot that is moving

@@ -83,15 +83,19 @@ const RESTART_AFTER: Duration = Duration::from_millis(100);
 /// The probe loop's tick; [`PROBE_EVERY`] is enforced by the breaker.
 const PROBE_TICK: Duration = Duration::from_millis(50);
 
+/// How to reach Redis: the config's `redis` section as the store needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisSettings {
+    /// Which Redis: one server or a Cluster.
     pub target: RedisTarget,
     /// Bound on every call (`redis.timeout`).
     pub timeout: Duration,
+    /// Connections in the pool (`redis.pool_size`, default [`DEFAULT_POOL_SIZE`]).
     pub pool_size: usize,
 }
 
 impl RedisSettings {
+    /// Settings for `target` with the default timeout and pool size.
     pub fn new(target: RedisTarget) -> Self {
         Self {
             target,
@@ -107,32 +111,41 @@ pub use crate::config::RedisTarget;
 /// One of a request's global limits, as the store needs it.
 #[derive(Clone, Copy, Debug)]
 pub struct GlobalLimit<'a> {
+    /// The limit's algorithm.
     pub algorithm: &'a Algorithm,
     /// Base key, already holding the hash tag, e.g. `tg:{users/per-user/alice}`; the store
     /// appends a per-algorithm suffix (see [`redis_keys`]).
     pub key: &'a str,
+    /// Units the request takes.
     pub cost: u64,
     /// gcra with `on_limit: delay`: admit with a delay up to this; 0 = no reservation.
     pub max_delay: Micros,
 }
 
+/// One global limit's answer from Redis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LimitVerdict {
     /// For a request rejected by another limit this is what this limit would have
     /// answered; nothing was consumed.
     Admitted {
+        /// The key's state once the request is charged, for the `RateLimit` fields.
         snapshot: Snapshot,
+        /// Microseconds to wait for the reserved slot (gcra `on_limit: delay`); 0 when admitted at
+        /// once.
         delay: Micros,
     },
+    /// Over the limit: this request took nothing from it.
     Rejected(Rejection),
 }
 
 impl LimitVerdict {
+    /// Whether this limit admitted.
     pub fn is_admitted(&self) -> bool {
         matches!(self, LimitVerdict::Admitted { .. })
     }
 }
 
+/// Redis's answer for all of a request's global limits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
     /// Every limit admitted, and every one was charged.
@@ -657,10 +670,12 @@ impl RedisStore {
         self.inner.breaker().allows_requests()
     }
 
+    /// The circuit breaker's state.
     pub fn health(&self) -> Health {
         self.inner.breaker().health()
     }
 
+    /// Whether the store talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         self.inner.cluster
     }

@@ -31,6 +31,8 @@ pub const DECIDE_LUA: &str = concat!(
     "\n",
     include_str!("lua/decide.lua")
 );
+/// `refund.lua` as sent: gives back one limit's units an earlier decide call took (Cluster
+/// only, when another slot's call rejected the request).
 pub const REFUND_LUA: &str = concat!(
     include_str!("lua/gcra.lua"),
     "\n",
@@ -38,6 +40,7 @@ pub const REFUND_LUA: &str = concat!(
     "\n",
     include_str!("lua/refund.lua")
 );
+/// `peek.lua` as sent: one limit's key state, read-only, for the admin API.
 pub const PEEK_LUA: &str = concat!(
     include_str!("lua/gcra.lua"),
     "\n",
