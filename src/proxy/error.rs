@@ -15,9 +15,15 @@ use crate::snapshot::Route;
 /// Why tollgate answers instead of the upstream.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ProxyError {
-    /// The client's request is malformed for a proxy (target, path, `Host`, body framing).
+    /// The client's request is malformed for a proxy (target, path, `Host`).
     #[error("bad request: {0}")]
     BadRequest(&'static str),
+    /// The client's request body broke its framing (a malformed chunk).
+    #[error("malformed request body")]
+    MalformedBody,
+    /// The client's request body ended (its connection closed) before its length.
+    #[error("request body cut short")]
+    BodyCutShort,
     /// `CONNECT`: tollgate forwards to its routes' upstreams; it is not a tunnel to an address
     /// the client names (nginx and Envoy refuse it unless configured as a forward proxy).
     #[error("CONNECT is not served")]
@@ -115,6 +121,13 @@ pub(crate) fn rescue(
             error(out, StatusCode::BAD_REQUEST, "bad_request", |b| {
                 b.extend_from_slice(b",\"message\":");
                 push_json_str(b, why);
+            });
+            StatusCode::BAD_REQUEST
+        }
+        ProxyError::MalformedBody | ProxyError::BodyCutShort => {
+            error(out, StatusCode::BAD_REQUEST, "bad_request", |b| {
+                b.extend_from_slice(b",\"message\":");
+                push_json_str(b, &e.to_string());
             });
             StatusCode::BAD_REQUEST
         }
@@ -304,6 +317,8 @@ mod tests {
     fn who_failed_decides_the_status() {
         for (e, status) in [
             (ProxyError::BadRequest("x"), 400),
+            (ProxyError::MalformedBody, 400),
+            (ProxyError::BodyCutShort, 400),
             (ProxyError::ConnectNotAllowed, 405),
             (ProxyError::CodingNotImplemented, 501),
             (ProxyError::NoRoute, 404),

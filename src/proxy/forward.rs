@@ -10,7 +10,7 @@
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -78,7 +78,7 @@ pub(crate) async fn forward(
     let client_uri = std::mem::take(&mut parts.uri);
     parts.version = Version::HTTP_11;
     // Only a body that is coming can fail; an empty one costs nothing to watch.
-    let client_body_failed = Arc::new(AtomicBool::new(false));
+    let client_body_failed = Arc::new(AtomicU8::new(OK));
     let body = if http_body::Body::is_end_stream(&body) {
         body.boxed()
     } else {
@@ -133,11 +133,14 @@ pub(crate) async fn forward(
     }
     let sent = tries.outcome(done);
     let exchanged = match sent {
-        // The client sent a body it could not finish (a malformed chunk): its fault, not the
-        // upstream's, and answered as the fast codec answers it.
-        Err(ProxyError::Upstream(e)) if client_body_failed.load(Ordering::Relaxed) => {
-            tracing::debug!(route = %route.name, error = %e, "malformed request body");
-            return Err(ProxyError::BadRequest("malformed request body"));
+        // The client sent a body it could not finish (a malformed chunk, or its connection
+        // closed early): its fault, not the upstream's, and answered as the fast codec does.
+        Err(ProxyError::Upstream(e)) if client_body_failed.load(Ordering::Relaxed) != OK => {
+            tracing::debug!(route = %route.name, error = %e, "bad request body");
+            return Err(match client_body_failed.load(Ordering::Relaxed) {
+                CUT_SHORT => ProxyError::BodyCutShort,
+                _ => ProxyError::MalformedBody,
+            });
         }
         r => r?,
     };
@@ -207,12 +210,19 @@ fn aim(
     Ok(())
 }
 
-/// The client's request body, noting whether reading it failed, so that an exchange it broke
-/// is answered 400 (the client's fault) rather than 502.
+/// The client's request body, noting whether reading it failed and how, so that an exchange
+/// it broke is answered 400 (the client's fault) rather than 502.
 struct ClientBody {
     inner: Incoming,
-    failed: Arc<AtomicBool>,
+    failed: Arc<AtomicU8>,
 }
+
+/// [`ClientBody::failed`]: the body is fine so far.
+const OK: u8 = 0;
+/// [`ClientBody::failed`]: the body broke its framing.
+const MALFORMED: u8 = 1;
+/// [`ClientBody::failed`]: the client's connection ended before the body did.
+const CUT_SHORT: u8 = 2;
 
 impl http_body::Body for ClientBody {
     type Data = bytes::Bytes;
@@ -224,8 +234,17 @@ impl http_body::Body for ClientBody {
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Err(_))) = &polled {
-            this.failed.store(true, Ordering::Relaxed);
+        if let Poll::Ready(Some(Err(e))) = &polled {
+            // hyper reads a body its connection ended under as an `UnexpectedEof`.
+            let eof = std::error::Error::source(e)
+                .and_then(|s| s.downcast_ref::<std::io::Error>())
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof);
+            let how = if eof || e.is_incomplete_message() {
+                CUT_SHORT
+            } else {
+                MALFORMED
+            };
+            this.failed.store(how, Ordering::Relaxed);
         }
         polled
     }

@@ -71,8 +71,8 @@ pub(crate) struct RequestRule<'a> {
 ///
 /// Hop-by-hop fields go, and so do fields the client's `Connection` names, except those that
 /// frame the message (dropping `Content-Length` would let the body be read upstream as a request
-/// of its own). `X-Forwarded-For` is what came in with the peer appended; `-Proto` and `-Host`
-/// are the client's only from a trusted proxy.
+/// of its own). `X-Forwarded-For` is what came in (blank lines left out) with the peer appended;
+/// `-Proto` and `-Host` are the client's only from a trusted proxy.
 #[inline]
 pub(crate) fn upstream_request<V: HeadView>(
     view: &V,
@@ -80,9 +80,9 @@ pub(crate) fn upstream_request<V: HeadView>(
     out: &mut impl HeadWriter<V::Handle>,
 ) {
     let mut xff: smallvec::SmallVec<[&[u8]; 4]> = smallvec::SmallVec::new();
-    // A chain is believed only when its first line says something, and not when `Connection`
-    // names it.
-    let mut xff_believed = None;
+    // Every line of the chain that says something goes on (a blank line adds no hop), unless
+    // `Connection` names the field; the client-address walk reads the same lines.
+    let mut xff_named = false;
     let mut xfp_passed = false;
     let mut xfh_passed = false;
     let mut upgrade = false;
@@ -96,11 +96,8 @@ pub(crate) fn upstream_request<V: HeadView>(
                 out.drop_field(field)
             }
             Name::XForwardedFor => {
-                let visible = visible(value);
-                let believed = *xff_believed.get_or_insert_with(|| {
-                    !named() && visible.is_some_and(|v| !v.trim_ascii().is_empty())
-                });
-                if let (true, Some(v)) = (believed, visible) {
+                xff_named = xff_named || named();
+                if let Some(v) = visible(value).filter(|v| !v.trim_ascii().is_empty()) {
                     xff.push(v);
                 }
                 out.drop_field(field)
@@ -121,6 +118,9 @@ pub(crate) fn upstream_request<V: HeadView>(
     });
     if let Some(host) = rule.host {
         out.add(&HOST, host);
+    }
+    if xff_named {
+        xff.clear();
     }
     xff.push(rule.peer);
     out.add_list(&XFF, &xff);
@@ -329,12 +329,20 @@ mod tests {
         assert!(trusted.contains(&"x-forwarded-proto: https".into()));
         assert!(trusted.contains(&"x-forwarded-host: front.example".into()));
         assert!(!trusted.iter().any(|f| f == "x-forwarded-proto: http"));
-        // A chain whose first line is blank is not believed.
+        // A blank line adds no hop, wherever it stands.
         let blank = request(
-            &[("x-forwarded-for", " "), ("x-forwarded-for", "3.3.3.3")],
+            &[
+                ("x-forwarded-for", " "),
+                ("x-forwarded-for", "3.3.3.3"),
+                ("x-forwarded-for", ""),
+                ("x-forwarded-for", "4.4.4.4"),
+            ],
             false,
         );
-        assert!(blank.contains(&"x-forwarded-for: 9.9.9.9".into()));
+        assert!(
+            blank.contains(&"x-forwarded-for: 3.3.3.3, 4.4.4.4, 9.9.9.9".into()),
+            "{blank:?}"
+        );
         // Named by Connection: the client's chain goes, the peer stays.
         let named = request(
             &[

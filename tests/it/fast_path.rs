@@ -802,16 +802,23 @@ async fn mangle_against(path: &str, g: &Gateway) {
 async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
     let up = Upstream::start().await;
     let (fast, general) = both_paths(&up.url()).await;
-    // A whole request is answered; one whose body the shutdown cut short gets a 400.
-    let cases: [(&[u8], &str); 2] = [
-        (b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", "HTTP/1.1 200 "),
+    // A whole request is answered; one whose body the shutdown cut short gets a 400 that says
+    // so, and one with a malformed chunk a 400 that says that, in the same words on both.
+    let cases: [(&[u8], &str, &str); 3] = [
+        (b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", "HTTP/1.1 200 ", ""),
         (
             b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhe",
             "HTTP/1.1 400 ",
+            r#""message":"request body cut short""#,
+        ),
+        (
+            b"POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhe\r\n0\r\n\r\n",
+            "HTTP/1.1 400 ",
+            r#""message":"malformed request body""#,
         ),
     ];
     for (path, g) in [("fast", &fast), ("general", &general)] {
-        for (req, want) in cases {
+        for (req, want, says) in cases {
             let mut s = TcpStream::connect(g.addr).await.unwrap();
             s.write_all(req).await.unwrap();
             s.shutdown().await.unwrap();
@@ -822,6 +829,7 @@ async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
                 .unwrap();
             let text = String::from_utf8_lossy(&got);
             assert!(text.starts_with(want), "{path}: {text:?}");
+            assert!(text.contains(says), "{path}: {text:?}");
         }
     }
 }

@@ -386,9 +386,9 @@ impl From<Failure> for ProxyError {
     fn from(f: Failure) -> Self {
         match f {
             Failure::Client => ProxyError::ClientGone,
-            Failure::BadBody => ProxyError::BadRequest("malformed chunked request body"),
-            // As hyper answers it; the upstream connection, holding half a request, is dropped.
-            Failure::CutShort => ProxyError::BadRequest("request body cut short"),
+            Failure::BadBody => ProxyError::MalformedBody,
+            // The upstream connection, holding half a request, is dropped.
+            Failure::CutShort => ProxyError::BodyCutShort,
             Failure::Upstream(e) | Failure::Connect(e) => e.into(),
         }
     }
