@@ -300,7 +300,7 @@ impl Serialize for LimitConfig {
     }
 }
 
-/// One part of a limit's key; written `ip`, `header:NAME`, `query:NAME`,
+/// One part of a limit's key; written `ip`, `ip_prefix:V4,V6`, `header:NAME`, `query:NAME`,
 /// `path`, `method`, `route` or `literal:TEXT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyPart {
@@ -319,6 +319,16 @@ pub enum KeyPart {
     Route,
     /// This text, the same for every request (`literal:all`: one bucket every client shares).
     Literal(String),
+    /// `ip_prefix:V4,V6`: the client address (as `ip` finds it) truncated to its first `v4`
+    /// bits (IPv4, IPv4-mapped IPv6 included) or `v6` bits (IPv6), in CIDR text. A client holds
+    /// a whole IPv6 /64 (often a /56 or /48) and picks any address in it, so keyed by address
+    /// it has 2^64 budgets; keyed by its prefix it has one.
+    IpPrefix {
+        /// Prefix length for IPv4 clients, `0..=32`.
+        v4: u8,
+        /// Prefix length for IPv6 clients, `0..=128`.
+        v6: u8,
+    },
 }
 
 impl fmt::Display for KeyPart {
@@ -331,6 +341,7 @@ impl fmt::Display for KeyPart {
             Self::Method => f.write_str("method"),
             Self::Route => f.write_str("route"),
             Self::Literal(text) => write!(f, "literal:{text}"),
+            Self::IpPrefix { v4, v6 } => write!(f, "ip_prefix:{v4},{v6}"),
         }
     }
 }
