@@ -19,6 +19,7 @@ use serde::{Serialize, Serializer};
 
 use super::rate::DurationText;
 pub use super::rate::Rate;
+pub use super::rejection::{Piece, RejectionConfig, Template, TemplateError};
 
 /// A validated `routes.yaml`, defaults applied: what the gateway runs.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -204,6 +205,9 @@ pub struct RouteConfig {
     pub headers: bool,
     /// All must admit a request.
     pub limits: Vec<LimitConfig>,
+    /// What a rate-limited request gets; `None`: tollgate's own 429.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rejection: Option<RejectionConfig>,
 }
 
 /// A route's `match`: path, host and methods must all hold.
