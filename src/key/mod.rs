@@ -1,7 +1,7 @@
 //! Limit keys: which client a request counts against.
 //!
-//! A key is the limit's parts (`ip`, `header:NAME`, `query:NAME`, `path`, `method`, `route`,
-//! `literal:TEXT`) joined with `|`. Values are escaped (`%` → `%25`, `|` → `%7C`, braces →
+//! A key is the limit's parts (`ip`, `ip_prefix:V4,V6`, `header:NAME`, `query:NAME`, `path`,
+//! `method`, `route`, `literal:TEXT`) joined with `|`. Values are escaped (`%` → `%25`, `|` → `%7C`, braces →
 //! `%7B`/`%7D`, anything outside printable ASCII → `%XX`) so the join is injective — a client cannot craft one part that spells two — and
 //! so no value can break a Redis Cluster `{hash tag}`. A value longer than
 //! [`MAX_PART_LEN`] bytes is replaced by `~` and a SHA-256 prefix, so a client cannot make the
@@ -10,7 +10,9 @@
 //! The client IP is the socket peer, unless the peer is in `server.trusted_proxies`: then
 //! `X-Forwarded-For` (or RFC 7239 `Forwarded`) is walked right to left, skipping trusted hops,
 //! and the first untrusted address is the client. A client outside the trusted set can write
-//! any header it likes and still be keyed by its own address.
+//! any header it likes and still be keyed by its own address. `ip_prefix` keys by that
+//! address's network ([`PrefixText`]): an IPv6 client owns a whole /64 and can rotate
+//! addresses in it.
 
 pub mod client_ip;
 
