@@ -95,6 +95,11 @@ pub struct Route {
     /// Requests waiting for a reserved slot now; shared across reloads of the same route.
     pub waiters: Arc<AtomicUsize>,
     pub max_waiters: usize,
+    /// The route's `rejection:`: what its rate-limited requests get instead of the default 429.
+    pub rejection: Option<crate::config::RejectionConfig>,
+    /// `rejection.legacy_headers`, read on every admitted response that carries `RateLimit`
+    /// fields: `X-RateLimit-*` go with them.
+    pub legacy_headers: bool,
 }
 
 impl Route {
@@ -233,6 +238,8 @@ impl ConfigSnapshot {
                     metrics: metrics.route(&rc.name),
                     waiters: waiters.remove(&rc.name).unwrap_or_default(),
                     max_waiters: config.server.max_waiters,
+                    rejection: rc.rejection.clone(),
+                    legacy_headers: rc.rejection.as_ref().is_some_and(|r| r.legacy_headers),
                 }
             })
             .collect();

@@ -334,12 +334,36 @@ fn key_part(t: &Text) -> Checked<KeyPart> {
             ),
             Some(("query", q)) if !q.trim().is_empty() => KeyPart::Query(q.trim().to_owned()),
             Some(("literal", l)) if !l.is_empty() => KeyPart::Literal(l.to_owned()),
+            Some(("ip_prefix", lengths)) => ip_prefix(lengths).map_err(|why| {
+                bad(format!(
+                    "key part `{s}`: {why} (write ip_prefix:V4,V6, e.g. \"ip_prefix:32,64\": V4 in 0..=32, V6 in 0..=128)"
+                ))
+            })?,
             _ => {
                 return Err(bad(format!(
-                    "`{s}` is not a key part: use ip | header:NAME | query:NAME | path | method | route | literal:TEXT"
+                    "`{s}` is not a key part: use ip | ip_prefix:V4,V6 | header:NAME | query:NAME | path | method | route | literal:TEXT"
                 )));
             }
         },
     };
     Ok(part)
+}
+
+/// The lengths of `ip_prefix:V4,V6`; both are needed, since a limit keyed by prefix sees
+/// clients of both families (a dual-stack listener, or `X-Forwarded-For` from a proxy).
+fn ip_prefix(lengths: &str) -> Result<KeyPart, String> {
+    let Some((v4, v6)) = lengths.split_once(',') else {
+        return Err("give both prefix lengths, IPv4 and IPv6".to_owned());
+    };
+    let length = |text: &str, family: &str, max: u8| {
+        let text = text.trim();
+        match text.parse::<u8>() {
+            Ok(n) if n <= max => Ok(n),
+            _ => Err(format!("`{text}` is not an {family} prefix length")),
+        }
+    };
+    Ok(KeyPart::IpPrefix {
+        v4: length(v4, "IPv4", 32)?,
+        v6: length(v6, "IPv6", 128)?,
+    })
 }

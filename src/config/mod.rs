@@ -10,6 +10,7 @@ mod limit;
 mod rate;
 mod raw;
 pub mod redis;
+mod rejection;
 mod summary;
 mod types;
 mod validate;
@@ -23,8 +24,8 @@ use std::path::{Path, PathBuf};
 pub use self::summary::summary;
 pub use self::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,
-    OnMissing, PathMatch, Rate, RedisConfig, RedisTarget, RouteConfig, RouteMatch, Scope,
-    ServerConfig, UpstreamCa,
+    OnMissing, PathMatch, Piece, Rate, RedisConfig, RedisTarget, RejectionConfig, RouteConfig,
+    RouteMatch, Scope, ServerConfig, Template, TemplateError, UpstreamCa,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 

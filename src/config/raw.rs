@@ -69,6 +69,16 @@ pub(super) struct RawRoute {
     pub preserve_host: Option<bool>,
     pub headers: Option<bool>,
     pub limits: Option<Vec<Spanned<RawLimit>>>,
+    pub rejection: Option<Spanned<RawRejection>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRejection {
+    pub status: Option<Spanned<u64>>,
+    pub content_type: Option<Text>,
+    pub body: Option<Text>,
+    pub legacy_headers: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

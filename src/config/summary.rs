@@ -150,6 +150,20 @@ fn write_route(out: &mut String, route: &RouteConfig) {
         upstreams.join(", "),
         extras.join(", ")
     );
+    if let Some(r) = &route.rejection {
+        let _ = writeln!(
+            out,
+            "  rejected with {} {}, body {:?}{}",
+            r.status.as_u16(),
+            r.content_type.to_str().unwrap_or(""),
+            r.body.source(),
+            if r.legacy_headers {
+                "; X-RateLimit-* fields too"
+            } else {
+                ""
+            }
+        );
+    }
     if route.limits.is_empty() {
         let _ = writeln!(out, "  no limits");
     }

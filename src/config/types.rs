@@ -19,6 +19,7 @@ use serde::{Serialize, Serializer};
 
 use super::rate::DurationText;
 pub use super::rate::Rate;
+pub use super::rejection::{Piece, RejectionConfig, Template, TemplateError};
 
 /// A validated `routes.yaml`, defaults applied: what the gateway runs.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -204,6 +205,9 @@ pub struct RouteConfig {
     pub headers: bool,
     /// All must admit a request.
     pub limits: Vec<LimitConfig>,
+    /// What a rate-limited request gets; `None`: tollgate's own 429.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rejection: Option<RejectionConfig>,
 }
 
 /// A route's `match`: path, host and methods must all hold.
@@ -300,7 +304,7 @@ impl Serialize for LimitConfig {
     }
 }
 
-/// One part of a limit's key; written `ip`, `header:NAME`, `query:NAME`,
+/// One part of a limit's key; written `ip`, `ip_prefix:V4,V6`, `header:NAME`, `query:NAME`,
 /// `path`, `method`, `route` or `literal:TEXT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyPart {
@@ -319,6 +323,16 @@ pub enum KeyPart {
     Route,
     /// This text, the same for every request (`literal:all`: one bucket every client shares).
     Literal(String),
+    /// `ip_prefix:V4,V6`: the client address (as `ip` finds it) truncated to its first `v4`
+    /// bits (IPv4, IPv4-mapped IPv6 included) or `v6` bits (IPv6), in CIDR text. A client holds
+    /// a whole IPv6 /64 (often a /56 or /48) and picks any address in it, so keyed by address
+    /// it has 2^64 budgets; keyed by its prefix it has one.
+    IpPrefix {
+        /// Prefix length for IPv4 clients, `0..=32`.
+        v4: u8,
+        /// Prefix length for IPv6 clients, `0..=128`.
+        v6: u8,
+    },
 }
 
 impl fmt::Display for KeyPart {
@@ -331,6 +345,7 @@ impl fmt::Display for KeyPart {
             Self::Method => f.write_str("method"),
             Self::Route => f.write_str("route"),
             Self::Literal(text) => write!(f, "literal:{text}"),
+            Self::IpPrefix { v4, v6 } => write!(f, "ip_prefix:{v4},{v6}"),
         }
     }
 }

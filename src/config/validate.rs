@@ -384,6 +384,10 @@ fn route(
         preserve_host: raw.preserve_host.unwrap_or(true),
         headers: raw.headers.unwrap_or(true),
         limits,
+        rejection: raw
+            .rejection
+            .map(|r| super::rejection::rejection(r, warnings))
+            .transpose()?,
     })
 }
 

@@ -1,7 +1,7 @@
 //! Limit keys: which client a request counts against.
 //!
-//! A key is the limit's parts (`ip`, `header:NAME`, `query:NAME`, `path`, `method`, `route`,
-//! `literal:TEXT`) joined with `|`. Values are escaped (`%` → `%25`, `|` → `%7C`, braces →
+//! A key is the limit's parts (`ip`, `ip_prefix:V4,V6`, `header:NAME`, `query:NAME`, `path`,
+//! `method`, `route`, `literal:TEXT`) joined with `|`. Values are escaped (`%` → `%25`, `|` → `%7C`, braces →
 //! `%7B`/`%7D`, anything outside printable ASCII → `%XX`) so the join is injective — a client cannot craft one part that spells two — and
 //! so no value can break a Redis Cluster `{hash tag}`. A value longer than
 //! [`MAX_PART_LEN`] bytes is replaced by `~` and a SHA-256 prefix, so a client cannot make the
@@ -10,7 +10,9 @@
 //! The client IP is the socket peer, unless the peer is in `server.trusted_proxies`: then
 //! `X-Forwarded-For` (or RFC 7239 `Forwarded`) is walked right to left, skipping trusted hops,
 //! and the first untrusted address is the client. A client outside the trusted set can write
-//! any header it likes and still be keyed by its own address.
+//! any header it likes and still be keyed by its own address. `ip_prefix` keys by that
+//! address's network ([`PrefixText`]): an IPv6 client owns a whole /64 and can rotate
+//! addresses in it.
 
 pub mod client_ip;
 
@@ -131,6 +133,11 @@ impl KeySpec {
                     push_escaped(out, text.as_bytes());
                     true
                 }
+                KeyPart::IpPrefix { v4, v6 } => {
+                    // Hex digits, `:`, `.` and `/` only: nothing to escape.
+                    out.extend_from_slice(PrefixText::new(req.client_ip, *v4, *v6).as_bytes());
+                    true
+                }
             };
             if !present {
                 out.truncate(start);
@@ -155,6 +162,69 @@ fn push_client_ip(out: &mut KeyBuf, req: &RequestParts<'_>) {
     match req.client_ip_text {
         Some(text) => out.extend_from_slice(text),
         None => out.extend_from_slice(IpText::new(req.client_ip).as_bytes()),
+    }
+}
+
+/// The network of an address in CIDR text (`203.0.113.0/24`, `2001:db8:1:2::/64`): the address
+/// with every bit past the prefix cleared, then `/LENGTH`. IPv4 clients, IPv4-mapped IPv6 ones
+/// included (a dual-stack socket's view of an IPv4 peer), take `v4` bits; other IPv6 clients
+/// `v6` bits. `v4` above 32 or `v6` above 128 (config validation refuses both) keep the whole
+/// address.
+pub struct PrefixText {
+    buf: [u8; PREFIX_TEXT_MAX],
+    len: u8,
+}
+
+/// Longest CIDR text: an IPv6 address's text, `/` and three digits.
+const PREFIX_TEXT_MAX: usize = IP_TEXT_MAX + 4;
+
+impl PrefixText {
+    /// `ip`'s network of `v4` (IPv4) or `v6` (IPv6) bits, as text.
+    pub fn new(ip: IpAddr, v4: u8, v6: u8) -> Self {
+        let (network, bits) = match ip.to_canonical() {
+            IpAddr::V4(a) => {
+                let bits = v4.min(32);
+                let mask = u32::MAX.checked_shl(32 - u32::from(bits)).unwrap_or(0);
+                (IpAddr::V4((a.to_bits() & mask).into()), bits)
+            }
+            IpAddr::V6(a) => {
+                let bits = v6.min(128);
+                let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
+                (IpAddr::V6((a.to_bits() & mask).into()), bits)
+            }
+        };
+        let mut buf = [0; PREFIX_TEXT_MAX];
+        let mut len = match network {
+            IpAddr::V4(_) => {
+                let mut text = [0; IP_TEXT_MAX];
+                let t = ip_text(network, &mut text);
+                buf[..t.len()].copy_from_slice(t);
+                t.len()
+            }
+            IpAddr::V6(a) => {
+                // Not through `ip_text`: that would write a network that happens to lie in
+                // ::ffff:0:0/96 as IPv4 text, and the key must say which family it is.
+                use std::io::Write;
+                let mut cursor = std::io::Cursor::new(&mut buf[..]);
+                let _ = write!(cursor, "{a}");
+                cursor.position() as usize
+            }
+        };
+        buf[len] = b'/';
+        len += 1;
+        let mut digits = itoa::Buffer::new();
+        let d = digits.format(bits).as_bytes();
+        buf[len..len + d.len()].copy_from_slice(d);
+        len += d.len();
+        Self {
+            buf,
+            len: len as u8,
+        }
+    }
+
+    /// The CIDR text.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..usize::from(self.len)]
     }
 }
 
@@ -404,6 +474,71 @@ mod tests {
 
     use super::*;
     use http::HeaderValue;
+
+    fn prefix(ip: &str, v4: u8, v6: u8) -> String {
+        let t = PrefixText::new(ip.parse().unwrap(), v4, v6);
+        String::from_utf8(t.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn ip_prefix_truncates_to_the_family_s_length_in_cidr_text() {
+        assert_eq!(prefix("203.0.113.77", 24, 64), "203.0.113.0/24");
+        assert_eq!(prefix("203.0.113.77", 32, 64), "203.0.113.77/32");
+        assert_eq!(prefix("203.0.113.77", 0, 64), "0.0.0.0/0");
+        assert_eq!(prefix("203.0.113.77", 20, 64), "203.0.112.0/20");
+        assert_eq!(
+            prefix("2001:db8:1:2:aaaa:bbbb:cccc:dddd", 32, 64),
+            "2001:db8:1:2::/64"
+        );
+        assert_eq!(prefix("2001:db8:1:2::99", 32, 56), "2001:db8:1::/56");
+        assert_eq!(prefix("2001:db8:1:2ff::1", 32, 56), "2001:db8:1:200::/56");
+        assert_eq!(prefix("2001:db8::1", 32, 128), "2001:db8::1/128");
+        assert_eq!(prefix("2001:db8::1", 32, 0), "::/0");
+        // The longest text fits.
+        assert_eq!(
+            prefix("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 32, 127),
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:fffe/127"
+        );
+    }
+
+    /// A dual-stack socket sees an IPv4 peer as `::ffff:a.b.c.d`: it is an IPv4 client, and
+    /// takes the IPv4 length, so one client has one key whichever socket it came through.
+    #[test]
+    fn ip_prefix_takes_mapped_addresses_as_ipv4() {
+        assert_eq!(prefix("::ffff:198.51.100.9", 24, 64), "198.51.100.0/24");
+        assert_eq!(
+            prefix("::ffff:198.51.100.9", 24, 64),
+            prefix("198.51.100.9", 24, 64)
+        );
+        assert_eq!(prefix("0:0:0:0:0:ffff:1:2", 16, 112), "0.1.0.0/16");
+        // An IPv6 network is written as IPv6 text, even one that looks mapped.
+        assert_eq!(prefix("0:0:0:1:0:ffff:1:2", 32, 96), "::1:0:ffff:0:0/96");
+    }
+
+    #[test]
+    fn ip_prefix_keys_share_a_network() {
+        let uri: Uri = "/".parse().unwrap();
+        let h = HeaderMap::new();
+        let spec = KeySpec {
+            parts: vec![KeyPart::IpPrefix { v4: 24, v6: 64 }, KeyPart::Route],
+            on_missing: OnMissing::Skip,
+        };
+        let key = |ip: &str| {
+            let mut req = parts(&uri, &h);
+            req.client_ip = ip.parse().unwrap();
+            build(&spec, &req)
+        };
+        assert_eq!(
+            key("2001:db8:1:2::1"),
+            (KeyOutcome::Built, "2001:db8:1:2::/64|users".into())
+        );
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff::7"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_eq!(
+            key("10.1.2.3"),
+            (KeyOutcome::Built, "10.1.2.0/24|users".into())
+        );
+    }
 
     fn parts<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> RequestParts<'a> {
         RequestParts {

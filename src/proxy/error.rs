@@ -8,7 +8,11 @@ use std::io;
 use http::header::{ALLOW, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderName, StatusCode};
 
-use super::response::{RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_ratelimit, push_u64};
+use super::response::{
+    RATELIMIT, RATELIMIT_POLICY, ceil_secs, legacy_fields, push_ratelimit, push_u64,
+};
+use crate::config::{Piece, RejectionConfig, Template};
+use crate::limit::Limit;
 use crate::limit::algorithm::Rejection;
 use crate::snapshot::Route;
 
@@ -155,8 +159,14 @@ pub(crate) fn rescue(
         }
         ProxyError::Limited { limit, rejection } => {
             // A limit is a route's: there is always one here.
-            too_many_requests(out, route?, *limit, rejection);
-            StatusCode::TOO_MANY_REQUESTS
+            let route = route?;
+            match &route.rejection {
+                None => {
+                    too_many_requests(out, route, *limit, rejection);
+                    StatusCode::TOO_MANY_REQUESTS
+                }
+                Some(custom) => custom_rejection(out, route, custom, *limit, rejection),
+            }
         }
         ProxyError::MissingKey { limit, part } => {
             let s = StatusCode::TOO_MANY_REQUESTS;
@@ -217,13 +227,7 @@ fn too_many_requests(out: &mut impl AnswerWriter, route: &Route, limit: usize, r
     let limit = &route.limits.limits[limit];
     out.status(StatusCode::TOO_MANY_REQUESTS);
     out.field(&CONTENT_TYPE, JSON);
-    out.field_with(&RETRY_AFTER, |v| {
-        push_u64(v, ceil_secs(r.retry_after).max(1))
-    });
-    out.field(&RATELIMIT_POLICY, limit.policy.as_bytes());
-    out.field_with(&RATELIMIT, |v| {
-        push_ratelimit(v, limit, r.remaining, r.retry_after)
-    });
+    rate_fields(out, limit, r);
     let b = out.body();
     b.extend_from_slice(b"{\"error\":\"rate_limited\",\"route\":\"");
     b.extend_from_slice(route.name.as_bytes());
@@ -232,6 +236,68 @@ fn too_many_requests(out: &mut impl AnswerWriter, route: &Route, limit: usize, r
     b.extend_from_slice(b"\",\"retry_after_ms\":");
     push_u64(b, r.retry_after.div_ceil(1000));
     b.push(b'}');
+}
+
+/// `Retry-After` and the `RateLimit` fields of a rejection, default or custom.
+#[inline]
+fn rate_fields(out: &mut impl AnswerWriter, limit: &Limit, r: &Rejection) {
+    out.field_with(&RETRY_AFTER, |v| push_u64(v, retry_after_secs(r)));
+    out.field(&RATELIMIT_POLICY, limit.policy.as_bytes());
+    out.field_with(&RATELIMIT, |v| {
+        push_ratelimit(v, limit, r.remaining, r.retry_after)
+    });
+}
+
+/// `Retry-After`'s whole seconds, rounded up and at least 1 (a `0` reads as "now" to clients
+/// that would then spin).
+#[inline]
+fn retry_after_secs(r: &Rejection) -> u64 {
+    ceil_secs(r.retry_after).max(1)
+}
+
+/// A route's own `rejection:` answer. Out of line and cold: the routes without one keep the
+/// default 429's code path as it was, and the template is only walked here, never parsed.
+#[cold]
+#[inline(never)]
+fn custom_rejection(
+    out: &mut impl AnswerWriter,
+    route: &Route,
+    custom: &RejectionConfig,
+    limit: usize,
+    r: &Rejection,
+) -> StatusCode {
+    let limit = &route.limits.limits[limit];
+    out.status(custom.status);
+    out.field(&CONTENT_TYPE, custom.content_type.as_bytes());
+    rate_fields(out, limit, r);
+    if custom.legacy_headers {
+        for (name, n) in legacy_fields(limit, r.remaining, r.reset_after) {
+            out.field_with(name, |v| push_u64(v, n));
+        }
+    }
+    render(out.body(), &custom.body, &route.name, &limit.name, r);
+    custom.status
+}
+
+/// `template` filled in for this rejection: names JSON-escaped when the body is JSON, the
+/// waits as `Retry-After` (whole seconds) and in milliseconds, both rounded up.
+fn render(b: &mut Vec<u8>, template: &Template, route: &str, limit: &str, r: &Rejection) {
+    let name = |b: &mut Vec<u8>, s: &str| {
+        if template.json() {
+            push_json_escaped(b, s);
+        } else {
+            b.extend_from_slice(s.as_bytes());
+        }
+    };
+    for piece in template.pieces() {
+        match piece {
+            Piece::Text(text) => b.extend_from_slice(text.as_bytes()),
+            Piece::Route => name(b, route),
+            Piece::Limit => name(b, limit),
+            Piece::RetryAfter => push_u64(b, retry_after_secs(r)),
+            Piece::RetryAfterMs => push_u64(b, r.retry_after.div_ceil(1000)),
+        }
+    }
 }
 
 /// A JSON error answer: `{"error":KIND` + what `rest` appends + `}`.
@@ -266,9 +332,42 @@ fn names(b: &mut Vec<u8>, route: &str, limit: &str) {
 /// `s` as a JSON string.
 #[inline]
 fn push_json_str(b: &mut Vec<u8>, s: &str) {
-    if serde_json::to_writer(&mut *b, s).is_err() {
-        b.extend_from_slice(b"\"\"");
+    b.push(b'"');
+    push_json_escaped(b, s);
+    b.push(b'"');
+}
+
+/// `s` escaped as the inside of a JSON string (RFC 8259 §7): the one place tollgate's answers
+/// escape text, whether into its own JSON or into a route's JSON template. Runs that need no
+/// escape (a whole route or limit name, always) are copied at once: byte by byte, a custom
+/// rejection's two names cost more than the rest of its body.
+fn push_json_escaped(b: &mut Vec<u8>, s: &str) {
+    let needs_escape = |c: &u8| matches!(c, b'"' | b'\\' | 0..=0x1f | 0x7f);
+    let mut rest = s.as_bytes();
+    while let Some(i) = rest.iter().position(needs_escape) {
+        b.extend_from_slice(&rest[..i]);
+        let c = rest[i];
+        match c {
+            b'"' => b.extend_from_slice(b"\\\""),
+            b'\\' => b.extend_from_slice(b"\\\\"),
+            b'\n' => b.extend_from_slice(b"\\n"),
+            b'\r' => b.extend_from_slice(b"\\r"),
+            b'\t' => b.extend_from_slice(b"\\t"),
+            _ => {
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                b.extend_from_slice(&[
+                    b'\\',
+                    b'u',
+                    b'0',
+                    b'0',
+                    HEX[usize::from(c >> 4)],
+                    HEX[usize::from(c & 15)],
+                ]);
+            }
+        }
+        rest = &rest[i + 1..];
     }
+    b.extend_from_slice(rest);
 }
 
 #[cfg(test)]
@@ -346,6 +445,61 @@ mod tests {
         let mut t = Text::default();
         assert_eq!(rescue(&ProxyError::ClientGone, None, &mut t), None);
         assert!(t.status.is_none() && t.body.is_empty());
+    }
+
+    fn rendered(source: &str, json: bool, route: &str, retry_after: u64) -> String {
+        let t = Template::compile(source, json).unwrap();
+        let r = Rejection {
+            retry_after,
+            remaining: 0,
+            reset_after: retry_after,
+        };
+        let mut b = b"before:".to_vec();
+        render(&mut b, &t, route, "per-key", &r);
+        String::from_utf8(b).unwrap()
+    }
+
+    #[test]
+    fn templates_are_filled_in() {
+        assert_eq!(
+            rendered(
+                r#"{"message":"slow down","retry_after":{retry_after}}"#,
+                true,
+                "search",
+                17_250_000
+            ),
+            r#"before:{"message":"slow down","retry_after":18}"#
+        );
+        assert_eq!(
+            rendered(
+                "{route}/{limit}: {retry_after}s {retry_after_ms}ms {{x}}",
+                false,
+                "search",
+                1_000_001
+            ),
+            "before:search/per-key: 2s 1001ms {x}"
+        );
+        // Under a second still says 1 (as Retry-After does); milliseconds round up.
+        assert_eq!(
+            rendered("{retry_after} {retry_after_ms}", false, "r", 1),
+            "before:1 1"
+        );
+    }
+
+    #[test]
+    fn names_are_json_escaped_in_json_bodies_only() {
+        let body = rendered(r#"{"route":"{route}"}"#, true, "a\"b\\c\n\u{1}", 1);
+        let v: serde_json::Value = serde_json::from_str(&body["before:".len()..]).unwrap();
+        assert_eq!(v["route"], "a\"b\\c\n\u{1}");
+        assert_eq!(rendered("{route}", false, "a\"b", 1), "before:a\"b");
+    }
+
+    #[test]
+    fn json_escaping_is_what_serde_json_reads_back() {
+        let all: String = (0u8..0x80).map(char::from).chain("é☃".chars()).collect();
+        let mut b = Vec::new();
+        push_json_str(&mut b, &all);
+        assert_eq!(serde_json::from_slice::<String>(&b).unwrap(), all);
     }
 
     #[test]

@@ -21,6 +21,8 @@ pub(crate) enum Name {
     RequestId,
     RateLimit,
     RateLimitPolicy,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`: replaced when the route sends its own.
+    LegacyRateLimit,
     Date,
 }
 
@@ -45,8 +47,10 @@ pub(crate) fn classify(name: &[u8]) -> Name {
         16 if is("ratelimit-policy") => Name::RateLimitPolicy,
         17 if is("transfer-encoding") => Name::TransferEncoding,
         17 if is("x-forwarded-proto") => Name::XForwardedProto,
+        17 if is("x-ratelimit-limit") || is("x-ratelimit-reset") => Name::LegacyRateLimit,
         18 if is("proxy-authenticate") => Name::HopByHop,
         19 if is("proxy-authorization") => Name::HopByHop,
+        21 if is("x-ratelimit-remaining") => Name::LegacyRateLimit,
         _ if super::headers::underscore_lookalike(name) => Name::HopByHop,
         _ => Name::Other,
     }

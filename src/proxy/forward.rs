@@ -169,6 +169,7 @@ pub(crate) async fn forward(
         request_id: id.as_bytes(),
         ratelimit: info.as_ref().map(|i| (&route.limits.limits[i.limit], i)),
         switched,
+        legacy: route.legacy_headers,
     };
     let mut edit = MapEdit::default();
     forwarding::client_response(&parts.headers, &rule, &mut edit);

@@ -13,7 +13,7 @@ use http::header::{CONNECTION, HOST, UPGRADE};
 
 use super::fields::Name;
 use super::request_id::X_REQUEST_ID;
-use super::response::{RATELIMIT, RATELIMIT_POLICY, push_ratelimit};
+use super::response::{RATELIMIT, RATELIMIT_POLICY, legacy_fields, push_ratelimit, push_u64};
 use crate::limit::{HeaderInfo, Limit};
 
 pub(crate) static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -167,6 +167,9 @@ pub(crate) struct ResponseRule<'a> {
     pub ratelimit: Option<(&'a Limit, &'a HeaderInfo)>,
     /// A `101 Switching Protocols` being passed through: `Connection` and `Upgrade` go on.
     pub switched: bool,
+    /// The route's `rejection.legacy_headers`: `X-RateLimit-*` go with the `RateLimit` fields,
+    /// replacing the upstream's.
+    pub legacy: bool,
 }
 
 /// The upstream's response head as it goes to the client.
@@ -185,6 +188,7 @@ pub(crate) fn client_response<V: HeadView>(
         Name::RateLimit | Name::RateLimitPolicy if rule.ratelimit.is_some() => {
             out.drop_field(field)
         }
+        Name::LegacyRateLimit if rule.legacy && rule.ratelimit.is_some() => out.drop_field(field),
         _ if view.named_by_connection(name) => out.drop_field(field),
         _ => out.pass(field, kind, name, value),
     });
@@ -197,6 +201,11 @@ pub(crate) fn client_response<V: HeadView>(
         out.add_with(&RATELIMIT, |v| {
             push_ratelimit(v, limit, info.remaining, info.reset_after)
         });
+        if rule.legacy {
+            for (name, n) in legacy_fields(limit, info.remaining, info.reset_after) {
+                out.add_with(name, |v| push_u64(v, n));
+            }
+        }
     }
 }
 
@@ -391,6 +400,7 @@ mod tests {
             request_id: b"rid",
             ratelimit: None,
             switched: false,
+            legacy: true,
         };
         let fields = head(&[
             ("Connection", "keep-alive, x-hop"),
@@ -398,6 +408,7 @@ mod tests {
             ("Transfer-Encoding", "chunked"),
             ("x-request-id", "upstream's"),
             ("RateLimit", "\"up\";r=1;t=1"),
+            ("X-RateLimit-Limit", "5"),
             ("etag", "\"x\""),
         ]);
         client_response(&fields, &rule, &mut out);
@@ -406,6 +417,8 @@ mod tests {
             [
                 "<framing>",
                 "RateLimit: \"up\";r=1;t=1",
+                // Without RateLimit fields of tollgate's own, the upstream's legacy ones stay.
+                "X-RateLimit-Limit: 5",
                 "etag: \"x\"",
                 "x-request-id: rid",
             ]

@@ -14,6 +14,10 @@ use crate::snapshot::Route;
 
 pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub(crate) static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+pub(crate) static X_RATELIMIT_REMAINING: HeaderName =
+    HeaderName::from_static("x-ratelimit-remaining");
+pub(crate) static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
 pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
@@ -89,6 +93,22 @@ pub(crate) fn push_ratelimit(
     push_u64(out, remaining);
     out.extend_from_slice(b";t=");
     push_u64(out, ceil_secs(reset_after));
+}
+
+/// The legacy `X-RateLimit-*` fields (a route's `rejection.legacy_headers`), for 429s and
+/// admitted responses alike: the limit's COUNT, the units left, and the seconds until the
+/// limit is full again (rounded up). Older clients read these rather than the IETF fields.
+#[inline]
+pub(crate) fn legacy_fields(
+    limit: &Limit,
+    remaining: u64,
+    reset_after: Micros,
+) -> [(&'static HeaderName, u64); 3] {
+    [
+        (&X_RATELIMIT_LIMIT, limit.config.rate.count),
+        (&X_RATELIMIT_REMAINING, remaining),
+        (&X_RATELIMIT_RESET, ceil_secs(reset_after)),
+    ]
 }
 
 /// Appends `n` in decimal (`itoa`: two digits per step; this runs several times per answer).

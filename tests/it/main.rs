@@ -6,6 +6,7 @@ mod support;
 
 mod admin;
 mod cli;
+mod consumer_keys;
 mod delay;
 mod eventual;
 mod exchange_end;

@@ -494,8 +494,114 @@ fn load_reads_the_file() {
     assert_eq!(
         e.to_string(),
         format!(
-            "{}:4:5: unknown field `bogus`, expected one of name, match, upstream, timeout, preserve_host, headers, limits",
+            "{}:4:5: unknown field `bogus`, expected one of name, match, upstream, timeout, preserve_host, headers, limits, rejection",
             path.display()
         )
     );
+}
+
+// ---- rejection ----
+
+/// One route with `rejection:` made of `lines` (from line 5 on, keys at column 7).
+fn with_rejection(lines_: &[&str]) -> String {
+    let mut all = vec![
+        "routes:".to_owned(),
+        "  - name: api".to_owned(),
+        "    upstream: http://127.0.0.1:9000".to_owned(),
+        "    rejection:".to_owned(),
+    ];
+    all.extend(lines_.iter().map(|l| format!("      {l}")));
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    lines(&refs)
+}
+
+#[test]
+fn rejection_status_is_a_4xx_or_5xx() {
+    for status in ["200", "399", "600", "99999"] {
+        assert_err(
+            &with_rejection(&[&format!("status: {status}")]),
+            5,
+            15,
+            &format!("rejection status {status} is not a 4xx or 5xx"),
+        );
+    }
+    for status in [400u16, 429, 503, 599] {
+        let cfg = ok(&with_rejection(&[&format!("status: {status}")]));
+        let r = cfg.routes[0].rejection.as_ref().unwrap();
+        assert_eq!(r.status.as_u16(), status);
+        // The rest defaults to tollgate's own 429's.
+        assert_eq!(r.content_type, "application/json");
+        assert!(r.body.json() && !r.legacy_headers);
+    }
+}
+
+#[test]
+fn rejection_body_placeholders_are_known_ones() {
+    assert_err(
+        &with_rejection(&[r#"body: '{"wait":{retry_in}}'"#]),
+        5,
+        13,
+        "unknown placeholder `{retry_in}` in the body: use {route}, {limit}, {retry_after} or {retry_after_ms}",
+    );
+    assert_err(
+        &with_rejection(&["content_type: text/plain", "body: 'slow down, {Route}'"]),
+        6,
+        13,
+        "unknown placeholder `{Route}`",
+    );
+    let cfg = ok(&with_rejection(&[
+        "content_type: text/plain; charset=utf-8",
+        "body: 'slow down {{{route}}} for {retry_after}s'",
+    ]));
+    let r = cfg.routes[0].rejection.as_ref().unwrap();
+    assert!(!r.body.json());
+    assert_eq!(r.body.source(), "slow down {{{route}}} for {retry_after}s");
+    let text = crate::config::summary(&cfg);
+    assert!(
+        text.contains(
+            r#"  rejected with 429 text/plain; charset=utf-8, body "slow down {{{route}}} for {retry_after}s""#
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn rejection_content_type_is_a_field_value() {
+    assert_err(
+        &with_rejection(&["content_type: ''"]),
+        5,
+        21,
+        "content_type `` is not a field value",
+    );
+    assert_err(
+        &with_rejection(&["content_type: \"text/plain\\nx: y\""]),
+        5,
+        21,
+        "is not a field value",
+    );
+    assert_err(
+        &with_rejection(&["stauts: 503"]),
+        5,
+        7,
+        "unknown field `stauts`",
+    );
+}
+
+/// A JSON body that is not JSON once filled in loads, with a warning at the body.
+#[test]
+fn rejection_json_body_that_is_not_json_warns() {
+    let cfg = ok(&with_rejection(&[r#"body: '{"a":{"b":{retry_after}}}'"#]));
+    assert_eq!(cfg.warnings.len(), 1, "{:?}", cfg.warnings);
+    let w = &cfg.warnings[0];
+    assert_eq!((w.line, w.column), (5, 13));
+    assert!(
+        w.message.starts_with("warning: content_type is JSON"),
+        "{w}"
+    );
+    let cfg = ok(&with_rejection(&[
+        r#"body: '{"a":{"b":{retry_after}}}}}'"#,
+        "legacy_headers: true",
+    ]));
+    assert!(cfg.warnings.is_empty(), "{:?}", cfg.warnings);
+    assert!(cfg.routes[0].rejection.as_ref().unwrap().legacy_headers);
 }

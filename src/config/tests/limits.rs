@@ -359,7 +359,7 @@ fn key_part_errors() {
         &with_limit(&["key: [ip, 'cookie:x']", "rate: 1/s"]),
         6,
         19,
-        "`cookie:x` is not a key part: use ip | header:NAME",
+        "`cookie:x` is not a key part: use ip | ip_prefix:V4,V6 | header:NAME",
     );
     assert_err(
         &with_limit(&["key: 'header:bad name'", "rate: 1/s"]),
@@ -379,6 +379,47 @@ fn key_part_errors() {
         14,
         "not a key part",
     );
+}
+
+#[test]
+fn ip_prefix_lengths() {
+    let yaml = with_limit(&["key: [\"ip_prefix:24,56\", route]", "rate: 1/s"]);
+    assert_eq!(
+        ok(&yaml).routes[0].limits[0].key,
+        [KeyPart::IpPrefix { v4: 24, v6: 56 }, KeyPart::Route]
+    );
+    // `check`'s summary names it as written.
+    let text = crate::config::summary(&ok(&yaml));
+    assert!(text.contains("key ip_prefix:24,56+route"), "{text}");
+    let yaml = with_limit(&["key: 'ip_prefix: 0 , 128'", "rate: 1/s"]);
+    assert_eq!(
+        ok(&yaml).routes[0].limits[0].key,
+        [KeyPart::IpPrefix { v4: 0, v6: 128 }]
+    );
+    for (text, col, why) in [
+        ("'ip_prefix:33,64'", 14, "`33` is not an IPv4 prefix length"),
+        (
+            "'ip_prefix:32,129'",
+            14,
+            "`129` is not an IPv6 prefix length",
+        ),
+        ("'ip_prefix:32'", 14, "give both prefix lengths"),
+        ("'ip_prefix:'", 14, "give both prefix lengths"),
+        ("'ip_prefix:-1,64'", 14, "`-1` is not an IPv4 prefix length"),
+        ("'ip_prefix:24,'", 14, "`` is not an IPv6 prefix length"),
+        (
+            "[ip, 'ip_prefix:a,64']",
+            19,
+            "`a` is not an IPv4 prefix length",
+        ),
+    ] {
+        assert_err(
+            &with_limit(&[&format!("key: {text}"), "rate: 1/s"]),
+            6,
+            col,
+            why,
+        );
+    }
 }
 
 #[test]

@@ -101,6 +101,7 @@ fn spec_example_parses_to_what_it_says() {
             preserve_host: true,
             headers: true,
             limits: vec![spec_limit()],
+            rejection: None,
         }],
     };
     assert_eq!(cfg, expected);
@@ -215,6 +216,7 @@ fn defaults_are_applied() {
                 consistency: Consistency::Strict,
                 sync_interval: Duration::from_millis(100),
             }],
+            rejection: None,
         }
     );
     assert_eq!(

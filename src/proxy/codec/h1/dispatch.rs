@@ -350,6 +350,7 @@ impl<S: ClientIo> Conn<S> {
             request_id: rid.bytes(bytes),
             ratelimit: info.map(|i| (&route.limits.limits[i.limit], i)),
             switched: false,
+            legacy: route.legacy_headers,
         };
         let view = FieldsView {
             bytes: up,
