@@ -99,9 +99,9 @@ impl Gateway {
                     let mut key = crate::key::KeyBuf::new();
                     l.key.build(parts, &mut key);
                     let key = String::from_utf8_lossy(&key);
-                    tracing::info!(%request_id, route = %route.name, limit = %l.name, status = 429, %key, "rate limited");
+                    tracing::info!(%request_id, route = %route.name, limit = %l.name, status = route.rejection.as_ref().map_or(429, |r| r.status.as_u16()), %key, "rate limited");
                 } else {
-                    tracing::info!(%request_id, route = %route.name, limit = %l.name, status = 429, "rate limited");
+                    tracing::info!(%request_id, route = %route.name, limit = %l.name, status = route.rejection.as_ref().map_or(429, |r| r.status.as_u16()), "rate limited");
                 }
                 Err(ProxyError::Limited { limit, rejection })
             }
