@@ -51,7 +51,7 @@ use eventual::EventualStore;
 pub use global::GlobalStore;
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
-use redis::RedisStore;
+use redis::{RedisError, RedisStore};
 
 /// One limit of a route, compiled from its config.
 #[derive(Debug)]
@@ -88,6 +88,39 @@ pub struct Limit {
     pub metrics: LimitMetrics,
     /// The `RateLimit-Policy` item, formatted once: `"name";q=100;w=60`.
     pub policy: HeaderValue,
+}
+
+/// What a reset of one key forgot in this instance: whether each in-process store held it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// The local store: a local limit's state, or a global limit's `on_error: allow` fallback.
+    pub local: bool,
+    /// The in-process tier in front of Redis (global limits): what Redis was known to reject.
+    pub deny_tier: bool,
+    /// The counts of a `consistency: eventual` limit.
+    pub eventual: bool,
+}
+
+/// A key reset everywhere this instance can reach: it is full again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reset {
+    /// What this instance held.
+    pub in_process: Forgotten,
+    /// Global limits: how many of the key's Redis keys existed and were deleted; `None` for a
+    /// local limit, which has none.
+    pub redis_deleted: Option<u64>,
+}
+
+/// A reset that Redis did not confirm: the key was forgotten in this instance (`in_process`),
+/// and its Redis state may or may not have been deleted (a timed-out `DEL` can still run).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("forgotten in this instance, but redis did not confirm the reset: {error}")]
+pub struct ResetError {
+    /// What this instance held, forgotten all the same.
+    pub in_process: Forgotten,
+    /// Why Redis did not answer.
+    #[source]
+    pub error: RedisError,
 }
 
 impl Limit {
@@ -135,6 +168,69 @@ impl Limit {
             metrics,
             policy,
         }
+    }
+
+    /// Forgets `key` everywhere it is held, so its next request finds it full (the admin API's
+    /// `DELETE`): for a global limit first its Redis keys (one `DEL` through `store`; `None`,
+    /// no store could be set up, fails as Redis down does), then this instance's local store,
+    /// in-process tier and eventual counts, whatever Redis answered. In that order, so that a
+    /// request in between is answered by what this instance still holds (the old state: it
+    /// errs towards limiting), never by a Redis answer from before the reset that the tier
+    /// would then learn again. Other instances keep what their in-process tier and eventual
+    /// counts hold until their next Redis answer for the key.
+    pub async fn reset<G: GlobalStore>(
+        &self,
+        key: &[u8],
+        store: Option<&G>,
+        local_now: Micros,
+    ) -> Result<Reset, ResetError> {
+        let redis = if self.scope == Scope::Global {
+            let keys = self.reset_keys(key, local_now);
+            Some(match store {
+                Some(s) => s.reset(keys).await,
+                None => Err(RedisError::Unavailable),
+            })
+        } else {
+            None
+        };
+        let in_process = Forgotten {
+            local: self.store.forget(key, local_now),
+            deny_tier: self.deny_cache.forget(key, local_now),
+            eventual: self
+                .eventual
+                .as_ref()
+                .is_some_and(|ev| ev.forget(key, local_now)),
+        };
+        match redis {
+            None => Ok(Reset {
+                in_process,
+                redis_deleted: None,
+            }),
+            Some(Ok(n)) => Ok(Reset {
+                in_process,
+                redis_deleted: Some(n),
+            }),
+            Some(Err(error)) => Err(ResetError { in_process, error }),
+        }
+    }
+
+    /// Every Redis key that may hold `key`'s state of this limit, all in one hash slot: the
+    /// strict state (also an eventual gcra limit's TAT) and, for an eventual window limit,
+    /// the counters of the window now (Redis time, as this instance estimates it), the one
+    /// before (a sliding window reads it) and the one after (a clock a little behind Redis's).
+    pub fn reset_keys(&self, key: &[u8], local_now: Micros) -> Vec<String> {
+        let mut keys = redis::redis_keys(&self.redis_key(key), &self.algorithm);
+        if let Some(ev) = &self.eventual
+            && !matches!(self.algorithm, Algorithm::Gcra(_))
+        {
+            let period = self.algorithm.quota().period;
+            let ws = ev.window(&self.algorithm, local_now);
+            for w in [ws.saturating_sub(period), ws, ws + period] {
+                keys.push(self.eventual_key(key, w));
+            }
+            keys.dedup();
+        }
+        keys
     }
 
     /// The Redis base key of `key` for this limit: `redis_prefix`, the key, then `}`.

@@ -674,3 +674,88 @@ async fn shadow_and_enforced_limits_are_one_call_and_charged_together() {
         "only the admitted request charged the shadow limit: {s}"
     );
 }
+
+/// `DELETE /admin/limits/..?key=` on a global limit: the key's Redis state is deleted and this
+/// instance's in-process tier forgets it, so the key is admitted again at once; another
+/// instance shares the budget the key starts afresh, and is freed of its own in-process
+/// answer by a `DELETE` sent to it. Redis down: 503, with what was forgotten in process.
+#[tokio::test]
+async fn delete_resets_a_global_key_in_redis_and_in_process() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: per-user\n        key: [header:x-user]\n        algorithm: gcra\n        rate: 3/1d\n        burst: 3\n";
+    let yaml = on_shared_redis(redis, "reset", &up, limits).replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  admin_token: s3cret\n",
+    );
+    let (g1, g2) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+    let c = client();
+    let send = |g: &Gateway, n: usize| {
+        let reqs: Vec<_> = (0..n)
+            .map(|_| c.get(g.url("/")).header("x-user", "ann"))
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for r in reqs {
+                out.push(r.send().await.unwrap().status().as_u16());
+            }
+            out
+        }
+    };
+    let delete = |g: &Gateway, token: Option<&str>| {
+        let mut r = c.delete(g.admin_url("/admin/limits/reset/per-user?key=ann"));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    let keys = || redis.cli(&["--scan", "--pattern", "tg:{reset/per-user/ann}*"]);
+    assert_eq!(send(&g1, 5).await, [200, 200, 200, 429, 429]);
+    assert_eq!(send(&g2, 1).await, [429], "one budget for both");
+    assert_eq!(keys().lines().count(), 1);
+    assert_eq!(delete(&g1, None).await.0, 401, "behind the token");
+    let (s, body) = delete(&g1, Some("s3cret")).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["scope"], "global");
+    assert_eq!(body["redis_keys_deleted"], 1, "{body}");
+    assert_eq!(body["in_process"]["deny_tier"], true, "{body}");
+    assert_eq!(keys(), "", "the key's Redis state is gone");
+    assert_eq!(send(&g1, 4).await, [200, 200, 200, 429], "full again");
+    // g2 still answers from what Redis told it before the reset (its in-process tier) until a
+    // reset reaches it too: then it finds in Redis the budget g1 has used since.
+    assert_eq!(send(&g2, 1).await, [429]);
+    let (s, body) = delete(&g2, Some("s3cret")).await;
+    assert_eq!(
+        (s, &body["redis_keys_deleted"]),
+        (200, &serde_json::json!(1))
+    );
+    assert_eq!(send(&g2, 4).await, [200, 200, 200, 429]);
+
+    // Redis down: the reset is not confirmed (503), this instance forgot the key all the same.
+    let mut down = RedisServer::start();
+    let yaml = cfg_timeout(
+        &format!("url: {}", down.url()),
+        "allow",
+        "200ms",
+        &route("reset-down", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    assert_eq!(send(&g, 4).await, [200, 200, 200, 429]);
+    down.stop();
+    let (s, body) = delete(&g, None).await;
+    assert_eq!(s, 404, "another route: {body}");
+    let r = c
+        .delete(g.admin_url("/admin/limits/reset-down/per-user?key=ann"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["result"], "error", "{body}");
+    assert_eq!(body["in_process"]["deny_tier"], true, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("redis"), "{body}");
+}

@@ -145,6 +145,15 @@ async fn limits_on_different_nodes_are_all_or_nothing() {
             );
         }
     }
+    // A reset (the admin API's DELETE) deletes one limit's keys for one key in one DEL, on
+    // the node of their slot: the sliding log's two keys share it.
+    for (node, (l, key)) in limits.iter().zip(&keys).enumerate() {
+        let ks = redis_keys(key, l.algorithm);
+        assert_eq!(store.reset(ks.clone()).await, Ok(ks.len() as u64), "{key}");
+        for k in ks {
+            assert_eq!(cluster.cli_node(node, &["exists", &k]), "0", "{k}");
+        }
+    }
     store.shutdown().await;
 }
 

@@ -54,7 +54,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use fred::interfaces::EventInterface;
+use fred::interfaces::{EventInterface, KeysInterface};
 use fred::prelude::{
     Builder, ClientLike, Config, ConnectionConfig, PerformanceConfig, Pool, ReconnectPolicy,
     ServerConfig,
@@ -252,6 +252,25 @@ impl Inner {
             Err(_) => Err(timed_out(client)),
         };
         self.record(result.as_ref().copied());
+        result
+    }
+
+    /// One `DEL` of `keys` within the timeout, whatever the breaker says (an operator's
+    /// reset is worth a try); its outcome feeds the breaker. The number of keys that existed.
+    async fn del(&self, keys: Vec<String>) -> Result<u64, RedisError> {
+        let client = self.pool.next_connected();
+        let call = async {
+            if !client.is_connected() {
+                client.wait_for_connect().await?;
+            }
+            client.del::<u64, _>(keys).await
+        };
+        let result = match tokio::time::timeout(self.timeout + OUTER_SLACK, call).await {
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(e)) => Err(RedisError::from(e)),
+            Err(_) => Err(timed_out(client)),
+        };
+        self.record(result.as_ref().map(|_| ()));
         result
     }
 
@@ -663,6 +682,16 @@ impl RedisStore {
             )),
             _ => Err(RedisError::Protocol(format!("sync reply {reply:?}"))),
         }
+    }
+
+    /// Deletes `keys` in one `DEL` (the admin API's reset of one key of a limit) and returns
+    /// how many existed. The keys must share a hash slot on a Cluster: one limit's keys for one
+    /// key do (see [`redis_keys`]). Sent even while the breaker is open, like [`Self::ping`].
+    pub async fn reset(&self, keys: Vec<String>) -> Result<u64, RedisError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        self.inner.del(keys).await
     }
 
     /// The breaker lets requests through: Redis answered last time, or has not failed yet.
