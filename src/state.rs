@@ -10,6 +10,7 @@ use tokio::sync::Mutex;
 use crate::config::{self, Config, ConfigError, OnError, Scope};
 use crate::limit::algorithm::Snapshot;
 use crate::limit::redis::GlobalLimit;
+use crate::limit::top::Top;
 use crate::limit::{Limit, Reset, ResetError};
 use crate::proxy::Gateway;
 use crate::snapshot::ConfigSnapshot;
@@ -196,6 +197,11 @@ impl Shared {
             Err(e) => tracing::warn!(limit = %limit.name, error = %e, "key reset by the admin API"),
         }
         result
+    }
+
+    /// The `n` keys `limit` rejected most on this instance in the last minute.
+    pub fn top(&self, limit: &Limit, n: usize) -> Top {
+        limit.top.top(n, self.gateway.clock.now())
     }
 }
 

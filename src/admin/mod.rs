@@ -1,5 +1,6 @@
 //! The admin listener (axum): `/metrics`, `/healthz`, `/readyz`, `/admin/config`,
 //! `GET` and `DELETE /admin/limits/{route}/{limit}?key=..` (one key's state; forget it),
+//! `GET /admin/limits/{route}/{limit}/top?n=..` (the keys rejected most in the last minute),
 //! `POST /admin/reload`.
 //!
 //! It runs on its own address (default 127.0.0.1:9090), never on the proxy port, so exposing the
@@ -17,6 +18,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::limit::top::CAPACITY;
 use crate::limit::{Forgotten, Limit};
 use crate::metrics::Format;
 use crate::snapshot::ConfigSnapshot;
@@ -29,6 +31,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             "/admin/limits/{route}/{limit}",
             get(limit_state).delete(limit_reset),
         )
+        .route("/admin/limits/{route}/{limit}/top", get(limit_top))
         .route("/admin/reload", post(reload))
         .route_layer(middleware::from_fn_with_state(
             shared.clone(),
@@ -139,6 +142,8 @@ enum BadTarget {
     UnknownLimit,
     /// 400: no `?key=`, or an empty one.
     MissingKey,
+    /// 400: `?n=` is not a positive integer.
+    BadN,
 }
 
 impl IntoResponse for BadTarget {
@@ -147,6 +152,7 @@ impl IntoResponse for BadTarget {
             BadTarget::UnknownRoute => (StatusCode::NOT_FOUND, "no such route"),
             BadTarget::UnknownLimit => (StatusCode::NOT_FOUND, "no such limit on this route"),
             BadTarget::MissingKey => (StatusCode::BAD_REQUEST, "missing ?key="),
+            BadTarget::BadN => (StatusCode::BAD_REQUEST, "n must be a positive integer"),
         };
         (status, Json(json!({"error": msg}))).into_response()
     }
@@ -258,4 +264,50 @@ async fn limit_reset(
         )
             .into_response(),
     }
+}
+
+/// `GET .../top` without `?n=`.
+const DEFAULT_TOP: usize = 10;
+
+/// The keys this instance rejected most for this limit in the last minute, most first, with
+/// their counts (see [`crate::limit::top`] for the window and the error bound). `?n=` (default
+/// 10) is capped at the summary's capacity.
+async fn limit_top(
+    State(shared): State<Arc<Shared>>,
+    Path((route, limit)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let rt = shared.gateway.snapshot.load_full();
+    let l = match find_limit(&rt, &route, &limit) {
+        Ok(l) => l,
+        Err(bad) => return bad.into_response(),
+    };
+    let n = match q.get("n").map(|n| n.parse::<usize>()) {
+        None => DEFAULT_TOP,
+        Some(Ok(n)) if n > 0 => n.min(CAPACITY),
+        Some(_) => return BadTarget::BadN.into_response(),
+    };
+    let top = shared.top(l, n);
+    let keys: Vec<serde_json::Value> = top
+        .keys
+        .iter()
+        .map(|k| {
+            json!({
+                "key": String::from_utf8_lossy(&k.key),
+                "count": k.count,
+                "error": k.error,
+                "truncated": k.truncated,
+            })
+        })
+        .collect();
+    Json(json!({
+        "route": route,
+        "limit": limit,
+        "n": n,
+        "capacity": CAPACITY,
+        "window_ms": top.window / 1000,
+        "rejected": top.rejected,
+        "keys": keys,
+    }))
+    .into_response()
 }

@@ -32,6 +32,7 @@ pub mod local;
 pub mod redis;
 #[cfg(test)]
 mod tests;
+pub mod top;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +53,7 @@ pub use global::GlobalStore;
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
 use redis::{RedisError, RedisStore};
+use top::TopKeys;
 
 /// One limit of a route, compiled from its config.
 #[derive(Debug)]
@@ -88,6 +90,9 @@ pub struct Limit {
     pub metrics: LimitMetrics,
     /// The `RateLimit-Policy` item, formatted once: `"name";q=100;w=60`.
     pub policy: HeaderValue,
+    /// The keys this limit rejected most in the last minute (the admin API's `top`); carried
+    /// over reloads with the stores.
+    pub top: Arc<TopKeys>,
 }
 
 /// What a reset of one key forgot in this instance: whether each in-process store held it.
@@ -167,6 +172,7 @@ impl Limit {
             redis_prefix: format!("tg:{{{route}/{}/", config.name),
             metrics,
             policy,
+            top: Arc::default(),
         }
     }
 
@@ -625,10 +631,26 @@ impl LimitSet {
                     now: cx.clock.now(),
                     ..*cx
                 };
-                return self.decide(&keys, &spans, &after, started).await;
+                let verdict = self.decide(&keys, &spans, &after, started).await;
+                self.record_rejection(&verdict, &keys, &spans, after.now);
+                return verdict;
             }
         }
-        self.decide(&keys, &spans, cx, started).await
+        let verdict = self.decide(&keys, &spans, cx, started).await;
+        self.record_rejection(&verdict, &keys, &spans, cx.now);
+        verdict
+    }
+
+    /// A 429's key, into its limit's [`TopKeys`] (the admin API's `top`); nothing for any
+    /// other verdict. The key is the one already built for the decision, so the reject path
+    /// pays a hash and a short locked scan (see [`top`]), and an admitted request nothing.
+    #[inline]
+    fn record_rejection(&self, verdict: &Verdict, keys: &[u8], spans: &[Span], now: Micros) {
+        if let Verdict::Reject { limit, .. } = *verdict
+            && let Some(&(_, s, e)) = spans.iter().find(|sp| sp.0 == limit)
+        {
+            self.limits[limit].top.record(&keys[s..e], now);
+        }
     }
 
     /// Decides every limit for this request, its keys built and its eventual keys known.

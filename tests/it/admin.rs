@@ -336,3 +336,73 @@ async fn delete_forgets_a_local_key_so_it_is_admitted_again() {
         assert!(body["error"].is_string(), "{path}: {body}");
     }
 }
+
+/// `top` lists the keys rejected in the last minute, most first, with their counts; `n`
+/// bounds the list; the token guards it.
+#[tokio::test]
+async fn top_lists_the_rejected_keys_most_first() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "  admin_token: s3cret\n")).await;
+    // 3 admitted each, then carol 5 rejections, ann 2, bob 1; dave never rejected.
+    for (user, n) in [("ann", 5), ("bob", 4), ("carol", 8), ("dave", 2)] {
+        statuses(&g, user, n).await;
+    }
+    let path = "/admin/limits/api/per-user/top";
+    let (s, _) = admin_call(&g, reqwest::Method::GET, path, None).await;
+    assert_eq!(s, 401, "behind the token");
+    let (s, top) = admin_call(&g, reqwest::Method::GET, path, Some("s3cret")).await;
+    assert_eq!(s, 200, "{top}");
+    let listed: Vec<(String, u64, u64)> = top["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            (
+                k["key"].as_str().unwrap().to_owned(),
+                k["count"].as_u64().unwrap(),
+                k["error"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("carol".to_owned(), 5, 0),
+            ("ann".to_owned(), 2, 0),
+            ("bob".to_owned(), 1, 0)
+        ],
+        "{top}"
+    );
+    assert_eq!(top["rejected"], 8);
+    assert_eq!(top["n"], 10, "the default");
+    assert!(top["window_ms"].as_u64().unwrap() >= 60_000, "{top}");
+    let (_, top) = admin_call(
+        &g,
+        reqwest::Method::GET,
+        &format!("{path}?n=1"),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(top["keys"].as_array().unwrap().len(), 1);
+    assert_eq!(top["keys"][0]["key"], "carol");
+    let (_, top) = admin_call(
+        &g,
+        reqwest::Method::GET,
+        &format!("{path}?n=100000"),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(
+        top["n"], top["capacity"],
+        "n is capped at the capacity: {top}"
+    );
+    for (path, want) in [
+        (format!("{path}?n=0"), 400),
+        (format!("{path}?n=many"), 400),
+        ("/admin/limits/api/nope/top".to_owned(), 404),
+        ("/admin/limits/nope/per-user/top".to_owned(), 404),
+    ] {
+        let (s, body) = admin_call(&g, reqwest::Method::GET, &path, Some("s3cret")).await;
+        assert_eq!(s, want, "{path}: {body}");
+    }
+}

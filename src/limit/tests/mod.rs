@@ -633,7 +633,8 @@ fn an_eventual_limit_beside_a_strict_global_one_admits_each_unit_once() {
 
 /// A reset (the admin API's `DELETE`) makes an exhausted key full again whichever tier held it:
 /// a local limit's store, a strict global limit's store and in-process tier, an eventual
-/// limit's counts in process and in the store (window counters, or gcra's TAT).
+/// limit's counts in process and in the store (window counters, or gcra's TAT); and every
+/// rejection before it was recorded for `top`.
 #[test]
 fn a_reset_key_is_full_again_in_every_tier() {
     let cases = [
@@ -666,6 +667,9 @@ fn a_reset_key_is_full_again_in_every_tier() {
         let got: Vec<String> = (0..4).map(|_| decide()).collect();
         assert_eq!(got, ["admit", "admit", "429 l", "429 l"], "{case}");
         let l = &set.limits[0];
+        let top = l.top.top(10, NOW);
+        assert_eq!(top.keys.len(), 1, "{case}");
+        assert_eq!((&top.keys[0].key[..], top.keys[0].count), (&b"k"[..], 2));
         // Every key a reset deletes shares the limit's key's hash tag: one Cluster slot.
         let keys = l.reset_keys(b"k", NOW);
         assert!(
