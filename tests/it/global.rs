@@ -759,3 +759,48 @@ async fn delete_resets_a_global_key_in_redis_and_in_process() {
     assert_eq!(body["in_process"]["deny_tier"], true, "{body}");
     assert!(body["error"].as_str().unwrap().contains("redis"), "{body}");
 }
+
+/// The same for an eventual limit: its window counters in Redis (the windows around now, as
+/// this instance reckons Redis's time) go with the reset, and so do the counts in process, so
+/// the key is full again although the counts had reached Redis.
+#[tokio::test]
+async fn delete_resets_an_eventual_key_and_its_window_counters() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: per-user\n        key: [header:x-user]\n        algorithm: sliding_window\n        rate: 3/1d\n        consistency: eventual\n        sync_interval: 20ms\n";
+    let g = Gateway::start(&on_shared_redis(redis, "reset-ev", &up, limits)).await;
+    let c = client();
+    let send = |n: usize| {
+        let reqs: Vec<_> = (0..n)
+            .map(|_| c.get(g.url("/")).header("x-user", "ann"))
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for r in reqs {
+                out.push(r.send().await.unwrap().status().as_u16());
+            }
+            out
+        }
+    };
+    let counters = || redis.cli(&["--scan", "--pattern", "tg:{reset-ev/per-user/ann}*"]);
+    assert_eq!(send(4).await, [200, 200, 200, 429]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !counters().lines().any(|k| k.contains(":ev:")) {
+        assert!(Instant::now() < deadline, "the counts never reached redis");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Several intervals more: the last request's mark is synced, no sync is left in flight to
+    // write a counter again after the DEL.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let r = c
+        .delete(g.admin_url("/admin/limits/reset-ev/per-user?key=ann"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(body["redis_keys_deleted"].as_u64().unwrap() >= 1, "{body}");
+    assert_eq!(body["in_process"]["eventual"], true, "{body}");
+    assert_eq!(counters(), "", "every counter of the key is gone");
+    assert_eq!(send(4).await, [200, 200, 200, 429], "full again");
+}
