@@ -199,6 +199,22 @@ impl Shared {
         result
     }
 
+    /// Forgets in process the key a reset published on Redis names (`tag`: `ROUTE/LIMIT/KEY`,
+    /// see [`crate::limit::redis::RedisStore::reset`]), in whichever global limit it names;
+    /// whether one did.
+    pub fn forget_reset(&self, tag: &str) -> bool {
+        let rt = self.gateway.snapshot.load_full();
+        let now = self.gateway.clock.now();
+        let mut found = false;
+        for l in rt.routes.iter().flat_map(|r| r.limits.limits.iter()) {
+            if let Some(key) = l.reset_key_of(tag) {
+                l.forget_in_process(key, now);
+                found = true;
+            }
+        }
+        found
+    }
+
     /// The `n` keys `limit` rejected most on this instance in the last minute.
     pub fn top(&self, limit: &Limit, n: usize) -> Top {
         limit.top.top(n, self.gateway.clock.now())

@@ -182,8 +182,8 @@ impl Limit {
     /// in-process tier and eventual counts, whatever Redis answered. In that order, so that a
     /// request in between is answered by what this instance still holds (the old state: it
     /// errs towards limiting), never by a Redis answer from before the reset that the tier
-    /// would then learn again. Other instances keep what their in-process tier and eventual
-    /// counts hold until their next Redis answer for the key.
+    /// would then learn again. The Redis store publishes the reset, and the other instances
+    /// forget the key in process when they hear it ([`Limit::forget_in_process`]).
     pub async fn reset<G: GlobalStore>(
         &self,
         key: &[u8],
@@ -199,14 +199,7 @@ impl Limit {
         } else {
             None
         };
-        let in_process = Forgotten {
-            local: self.store.forget(key, local_now),
-            deny_tier: self.deny_cache.forget(key, local_now),
-            eventual: self
-                .eventual
-                .as_ref()
-                .is_some_and(|ev| ev.forget(key, local_now)),
-        };
+        let in_process = self.forget_in_process(key, local_now);
         match redis {
             None => Ok(Reset {
                 in_process,
@@ -218,6 +211,32 @@ impl Limit {
             }),
             Some(Err(error)) => Err(ResetError { in_process, error }),
         }
+    }
+
+    /// Forgets `key` in this instance only: its local store, in-process tier and eventual
+    /// counts. What [`Limit::reset`] does after Redis, and what every instance does when it
+    /// hears of a reset made elsewhere (see [`Limit::reset_key_of`]).
+    pub fn forget_in_process(&self, key: &[u8], local_now: Micros) -> Forgotten {
+        Forgotten {
+            local: self.store.forget(key, local_now),
+            deny_tier: self.deny_cache.forget(key, local_now),
+            eventual: self
+                .eventual
+                .as_ref()
+                .is_some_and(|ev| ev.forget(key, local_now)),
+        }
+    }
+
+    /// The key a published reset names for this limit: `tag` is the reset keys' hash tag,
+    /// `ROUTE/LIMIT/KEY`; `None` when it is another limit's (or this is not a global limit).
+    pub fn reset_key_of<'t>(&self, tag: &'t str) -> Option<&'t [u8]> {
+        if self.scope != Scope::Global {
+            return None;
+        }
+        let own = self.redis_prefix.strip_prefix("tg:{")?;
+        tag.strip_prefix(own)
+            .filter(|k| !k.is_empty())
+            .map(str::as_bytes)
     }
 
     /// Every Redis key that may hold `key`'s state of this limit, all in one hash slot: the

@@ -676,6 +676,11 @@ fn a_reset_key_is_full_again_in_every_tier() {
             keys.iter().all(|k| redis::hash_tag(k) == Some("r/l/k")),
             "{case}: {keys:?}"
         );
+        // A reset published by another instance names the key by its hash tag.
+        let heard = l.reset_key_of("r/l/k");
+        assert_eq!(heard, deleted.map(|_| &b"k"[..]), "{case}");
+        assert_eq!(l.reset_key_of("r/l/"), None);
+        assert_eq!(l.reset_key_of("r/other/k"), None);
         let reset = rt.block_on(l.reset(b"k", Some(&store), NOW)).unwrap();
         assert_eq!(reset.redis_deleted, deleted.map(|d| d as u64), "{case}");
         let f = reset.in_process;
