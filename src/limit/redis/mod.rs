@@ -725,10 +725,15 @@ impl RedisStore {
     /// from what Redis said before); best effort: a publish that fails is logged, the reset
     /// stands.
     pub async fn reset(&self, keys: Vec<String>) -> Result<u64, RedisError> {
-        let Some(tag) = keys.first().and_then(|k| hash_tag(k)).map(str::to_owned) else {
+        if keys.is_empty() {
             return Ok(0);
-        };
+        }
+        let tag = hash_tag(&keys[0]).map(str::to_owned);
         let deleted = self.inner.del(keys).await?;
+        let Some(tag) = tag else {
+            // Not a limit's keys (those always have a tag): nobody to tell.
+            return Ok(deleted);
+        };
         let client = self.inner.pool.next_connected();
         let publish = client.publish::<i64, _, _>(RESET_CHANNEL, tag);
         match tokio::time::timeout(self.inner.timeout + OUTER_SLACK, publish).await {
