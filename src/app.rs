@@ -180,6 +180,7 @@ impl App {
         // listener is done.
         let (after_drain, drained) = tokio::sync::watch::channel(false);
         let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
+        let resets = tokio::spawn(follow_resets(shared.clone(), stop_rx.clone()));
         let syncer = tokio::spawn(sync_eventual(shared.clone(), drained.clone()));
         let watcher = shared
             .options
@@ -223,6 +224,7 @@ impl App {
             tracing::warn!(connections = left, "exiting with connections still open");
         }
         sweeper.abort();
+        resets.abort();
         // Its last pass pushes what was admitted since the previous one (bounded: a Redis that
         // does not answer costs its timeout per call, all calls at once).
         let _ = tokio::time::timeout(Duration::from_secs(2), syncer).await;
@@ -230,6 +232,43 @@ impl App {
             w.abort();
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin).await;
+    }
+}
+
+/// Forgets in process the keys a reset names, wherever it was made (the admin API's `DELETE`
+/// on any instance publishes it on Redis), so this instance's in-process tier does not go on
+/// rejecting a key that is full again. Follows the store a reload swaps in.
+async fn follow_resets(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let redis = shared.gateway.snapshot.load().redis.clone();
+        let Some(redis) = redis else {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        };
+        let mut heard = redis.resets();
+        loop {
+            tokio::select! {
+                m = heard.recv() => match m {
+                    Ok(tag) => {
+                        shared.forget_reset(&tag);
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "resets published faster than followed");
+                    }
+                    Err(RecvError::Closed) => break,
+                },
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                    let now = shared.gateway.snapshot.load().redis.clone();
+                    if !now.is_some_and(|r| r.same(&redis)) {
+                        break;
+                    }
+                }
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use crate::limit::eventual::EventualStore;
 use crate::limit::local::LocalStore;
 use crate::limit::local::deny::DenyCache;
 use crate::limit::redis::{RedisSettings, RedisStore};
+use crate::limit::top::TopKeys;
 use crate::limit::{Limit, LimitSet, TierMetrics};
 use crate::metrics::{Metrics, RouteMetrics, UNMATCHED_ROUTE};
 use crate::routing::RouteTable;
@@ -155,8 +156,13 @@ pub struct ConfigSnapshot {
 /// What survives a reload, keyed by route and limit name.
 type Carried = HashMap<(String, String), (LimitConfig, Stores)>;
 
-/// A limit's state stores, carried over reloads together.
-type Stores = (Arc<LocalStore>, Arc<DenyCache>, Option<Arc<EventualStore>>);
+/// A limit's state stores, carried over reloads together, with its rejected keys (`top`).
+type Stores = (
+    Arc<LocalStore>,
+    Arc<DenyCache>,
+    Option<Arc<EventualStore>>,
+    Arc<TopKeys>,
+);
 
 impl ConfigSnapshot {
     pub fn build(
@@ -175,7 +181,12 @@ impl ConfigSnapshot {
                         (r.name.to_string(), l.name.to_string()),
                         (
                             l.config.clone(),
-                            (l.store.clone(), l.deny_cache.clone(), l.eventual.clone()),
+                            (
+                                l.store.clone(),
+                                l.deny_cache.clone(),
+                                l.eventual.clone(),
+                                l.top.clone(),
+                            ),
                         ),
                     );
                 }
@@ -208,19 +219,21 @@ impl ConfigSnapshot {
                     .limits
                     .iter()
                     .map(|lc| {
-                        let (store, tier, eventual) =
+                        let (store, tier, eventual, top) =
                             match carried.remove(&(rc.name.clone(), lc.name.clone())) {
                                 Some((old, stores)) if same_state_shape(&old, lc) => stores,
                                 _ => Default::default(),
                             };
-                        Limit::new(
+                        let mut limit = Limit::new(
                             &rc.name,
                             lc,
                             store,
                             tier,
                             eventual,
                             metrics.limit(&rc.name, &lc.name),
-                        )
+                        );
+                        limit.top = top;
+                        limit
                     })
                     .collect();
                 Route {
@@ -440,6 +453,8 @@ mod tests {
             n[2].eventual.as_ref().unwrap()
         ));
         assert!(Arc::ptr_eq(&o[2].store, &n[0].store));
+        // Who was rejected (the admin API's `top`) is carried with the stores.
+        assert!(Arc::ptr_eq(&o[0].top, &n[2].top));
         let uri: http::Uri = "/?k=same".parse().unwrap();
         let clock = crate::limit::clock::ManualClock::new(1_000_000);
         let (done, finished) = std::sync::mpsc::channel();

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use tokio::sync::Mutex;
 
 use crate::config::{self, Config, ConfigError, OnError, Scope};
-use crate::limit::Limit;
 use crate::limit::algorithm::Snapshot;
 use crate::limit::redis::GlobalLimit;
+use crate::limit::top::Top;
+use crate::limit::{Limit, Reset, ResetError};
 use crate::proxy::Gateway;
 use crate::snapshot::ConfigSnapshot;
 
@@ -176,6 +177,47 @@ impl Shared {
             "local"
         };
         (limit.store.peek(&limit.algorithm, key, now), store)
+    }
+}
+
+impl Shared {
+    /// Forgets one key of `limit` in this instance and, for a global limit, in Redis: the key
+    /// is full again (see [`Limit::reset`]). `Err` when Redis did not confirm; what this
+    /// instance held is forgotten either way.
+    pub async fn reset(&self, limit: &Limit, key: &[u8]) -> Result<Reset, ResetError> {
+        let rt = self.gateway.snapshot.load_full();
+        let now = self.gateway.clock.now();
+        let result = limit.reset(key, rt.redis.as_ref(), now).await;
+        match &result {
+            Ok(r) => tracing::info!(
+                limit = %limit.name,
+                redis_deleted = r.redis_deleted,
+                "key reset by the admin API"
+            ),
+            Err(e) => tracing::warn!(limit = %limit.name, error = %e, "key reset by the admin API"),
+        }
+        result
+    }
+
+    /// Forgets in process the key a reset published on Redis names (`tag`: `ROUTE/LIMIT/KEY`,
+    /// see [`crate::limit::redis::RedisStore::reset`]), in whichever global limit it names;
+    /// whether one did.
+    pub fn forget_reset(&self, tag: &str) -> bool {
+        let rt = self.gateway.snapshot.load_full();
+        let now = self.gateway.clock.now();
+        let mut found = false;
+        for l in rt.routes.iter().flat_map(|r| r.limits.limits.iter()) {
+            if let Some(key) = l.reset_key_of(tag) {
+                l.forget_in_process(key, now);
+                found = true;
+            }
+        }
+        found
+    }
+
+    /// The `n` keys `limit` rejected most on this instance in the last minute.
+    pub fn top(&self, limit: &Limit, n: usize) -> Top {
+        limit.top.top(n, self.gateway.clock.now())
     }
 }
 

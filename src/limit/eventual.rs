@@ -597,6 +597,13 @@ impl EventualStore {
         });
     }
 
+    /// Forgets `key`'s counts (the admin API's reset, after its Redis counters were deleted):
+    /// its unpushed units are dropped with it, and the next request learns the key from Redis
+    /// again. Returns whether the store held it at `local_now`.
+    pub fn forget(&self, key: &[u8], local_now: Micros) -> bool {
+        self.map.forget(key, self.redis_now(local_now))
+    }
+
     /// Drops every key that no decision reads any more (its windows past and, for gcra, its TAT
     /// reached); returns the number kept.
     pub fn sweep(&self, local_now: Micros) -> usize {

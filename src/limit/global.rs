@@ -67,6 +67,11 @@ pub trait GlobalStore: Sync {
         units: u64,
         interval_tau: (Micros, Micros),
     ) -> impl Future<Output = Result<(Micros, Micros), RedisError>> + Send;
+
+    /// Deletes `keys` in one step (the admin API's reset: one key's state of one limit, all
+    /// in one hash slot) and returns how many existed. The next decision on them finds the
+    /// key full.
+    fn reset(&self, keys: Vec<String>) -> impl Future<Output = Result<u64, RedisError>> + Send;
 }
 
 /// The gateway's store: each method is [`RedisStore`]'s own of the same name (`decide` is
@@ -106,6 +111,10 @@ impl GlobalStore for RedisStore {
         interval_tau: (Micros, Micros),
     ) -> impl Future<Output = Result<(Micros, Micros), RedisError>> + Send {
         RedisStore::sync_gcra(self, key, units, interval_tau)
+    }
+
+    fn reset(&self, keys: Vec<String>) -> impl Future<Output = Result<u64, RedisError>> + Send {
+        RedisStore::reset(self, keys)
     }
 }
 

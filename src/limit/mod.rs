@@ -32,6 +32,7 @@ pub mod local;
 pub mod redis;
 #[cfg(test)]
 mod tests;
+pub mod top;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,7 +52,8 @@ use eventual::EventualStore;
 pub use global::GlobalStore;
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
-use redis::RedisStore;
+use redis::{RedisError, RedisStore};
+use top::TopKeys;
 
 /// One limit of a route, compiled from its config.
 #[derive(Debug)]
@@ -88,6 +90,42 @@ pub struct Limit {
     pub metrics: LimitMetrics,
     /// The `RateLimit-Policy` item, formatted once: `"name";q=100;w=60`.
     pub policy: HeaderValue,
+    /// The keys this limit rejected most in the last minute (the admin API's `top`); carried
+    /// over reloads with the stores.
+    pub top: Arc<TopKeys>,
+}
+
+/// What a reset of one key forgot in this instance: whether each in-process store held it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// The local store: a local limit's state, or a global limit's `on_error: allow` fallback.
+    pub local: bool,
+    /// The in-process tier in front of Redis (global limits): what Redis was known to reject.
+    pub deny_tier: bool,
+    /// The counts of a `consistency: eventual` limit.
+    pub eventual: bool,
+}
+
+/// A key reset everywhere this instance can reach: it is full again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reset {
+    /// What this instance held.
+    pub in_process: Forgotten,
+    /// Global limits: how many of the key's Redis keys existed and were deleted; `None` for a
+    /// local limit, which has none.
+    pub redis_deleted: Option<u64>,
+}
+
+/// A reset that Redis did not confirm: the key was forgotten in this instance (`in_process`),
+/// and its Redis state may or may not have been deleted (a timed-out `DEL` can still run).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("forgotten in this instance, but redis did not confirm the reset: {error}")]
+pub struct ResetError {
+    /// What this instance held, forgotten all the same.
+    pub in_process: Forgotten,
+    /// Why Redis did not answer.
+    #[source]
+    pub error: RedisError,
 }
 
 impl Limit {
@@ -134,7 +172,90 @@ impl Limit {
             redis_prefix: format!("tg:{{{route}/{}/", config.name),
             metrics,
             policy,
+            top: Arc::default(),
         }
+    }
+
+    /// Forgets `key` everywhere it is held, so its next request finds it full (the admin API's
+    /// `DELETE`): for a global limit first its Redis keys (one `DEL` through `store`; `None`,
+    /// no store could be set up, fails as Redis down does), then this instance's local store,
+    /// in-process tier and eventual counts, whatever Redis answered. In that order, so that a
+    /// request in between is answered by what this instance still holds (the old state: it
+    /// errs towards limiting), never by a Redis answer from before the reset that the tier
+    /// would then learn again. The Redis store publishes the reset, and the other instances
+    /// forget the key in process when they hear it ([`Limit::forget_in_process`]).
+    pub async fn reset<G: GlobalStore>(
+        &self,
+        key: &[u8],
+        store: Option<&G>,
+        local_now: Micros,
+    ) -> Result<Reset, ResetError> {
+        let redis = if self.scope == Scope::Global {
+            let keys = self.reset_keys(key, local_now);
+            Some(match store {
+                Some(s) => s.reset(keys).await,
+                None => Err(RedisError::Unavailable),
+            })
+        } else {
+            None
+        };
+        let in_process = self.forget_in_process(key, local_now);
+        match redis {
+            None => Ok(Reset {
+                in_process,
+                redis_deleted: None,
+            }),
+            Some(Ok(n)) => Ok(Reset {
+                in_process,
+                redis_deleted: Some(n),
+            }),
+            Some(Err(error)) => Err(ResetError { in_process, error }),
+        }
+    }
+
+    /// Forgets `key` in this instance only: its local store, in-process tier and eventual
+    /// counts. What [`Limit::reset`] does after Redis, and what every instance does when it
+    /// hears of a reset made elsewhere (see [`Limit::reset_key_of`]).
+    pub fn forget_in_process(&self, key: &[u8], local_now: Micros) -> Forgotten {
+        Forgotten {
+            local: self.store.forget(key, local_now),
+            deny_tier: self.deny_cache.forget(key, local_now),
+            eventual: self
+                .eventual
+                .as_ref()
+                .is_some_and(|ev| ev.forget(key, local_now)),
+        }
+    }
+
+    /// The key a published reset names for this limit: `tag` is the reset keys' hash tag,
+    /// `ROUTE/LIMIT/KEY`; `None` when it is another limit's (or this is not a global limit).
+    pub fn reset_key_of<'t>(&self, tag: &'t str) -> Option<&'t [u8]> {
+        if self.scope != Scope::Global {
+            return None;
+        }
+        let own = self.redis_prefix.strip_prefix("tg:{")?;
+        tag.strip_prefix(own)
+            .filter(|k| !k.is_empty())
+            .map(str::as_bytes)
+    }
+
+    /// Every Redis key that may hold `key`'s state of this limit, all in one hash slot: the
+    /// strict state (also an eventual gcra limit's TAT) and, for an eventual window limit,
+    /// the counters of the window now (Redis time, as this instance estimates it), the one
+    /// before (a sliding window reads it) and the one after (a clock a little behind Redis's).
+    pub fn reset_keys(&self, key: &[u8], local_now: Micros) -> Vec<String> {
+        let mut keys = redis::redis_keys(&self.redis_key(key), &self.algorithm);
+        if let Some(ev) = &self.eventual
+            && !matches!(self.algorithm, Algorithm::Gcra(_))
+        {
+            let period = self.algorithm.quota().period;
+            let ws = ev.window(&self.algorithm, local_now);
+            for w in [ws.saturating_sub(period), ws, ws + period] {
+                keys.push(self.eventual_key(key, w));
+            }
+            keys.dedup();
+        }
+        keys
     }
 
     /// The Redis base key of `key` for this limit: `redis_prefix`, the key, then `}`.
@@ -529,10 +650,26 @@ impl LimitSet {
                     now: cx.clock.now(),
                     ..*cx
                 };
-                return self.decide(&keys, &spans, &after, started).await;
+                let verdict = self.decide(&keys, &spans, &after, started).await;
+                self.record_rejection(&verdict, &keys, &spans, after.now);
+                return verdict;
             }
         }
-        self.decide(&keys, &spans, cx, started).await
+        let verdict = self.decide(&keys, &spans, cx, started).await;
+        self.record_rejection(&verdict, &keys, &spans, cx.now);
+        verdict
+    }
+
+    /// A 429's key, into its limit's [`TopKeys`] (the admin API's `top`); nothing for any
+    /// other verdict. The key is the one already built for the decision, so the reject path
+    /// pays a hash and a short locked scan (see [`top`]), and an admitted request nothing.
+    #[inline]
+    fn record_rejection(&self, verdict: &Verdict, keys: &[u8], spans: &[Span], now: Micros) {
+        if let Verdict::Reject { limit, .. } = *verdict
+            && let Some(&(_, s, e)) = spans.iter().find(|sp| sp.0 == limit)
+        {
+            self.limits[limit].top.record(&keys[s..e], now);
+        }
     }
 
     /// Decides every limit for this request, its keys built and its eventual keys known.

@@ -250,3 +250,159 @@ async fn metrics_are_classic_text_unless_the_scraper_asks_for_openmetrics() {
     assert_eq!(support::metric(&om, series), Some(1.0), "{om}");
     assert!(om.ends_with("# EOF\n"), "{om}");
 }
+
+/// `status` of `method path` on the admin listener with `token` (none: no `Authorization`),
+/// and the JSON body.
+async fn admin_call(
+    g: &Gateway,
+    method: reqwest::Method,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, Value) {
+    let mut r = client().request(method, g.admin_url(path));
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    let r = r.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// The statuses of `n` requests as `user`.
+async fn statuses(g: &Gateway, user: &str, n: usize) -> Vec<u16> {
+    let c = client();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let r = c
+            .get(g.url("/"))
+            .header("x-user", user)
+            .send()
+            .await
+            .unwrap();
+        out.push(r.status().as_u16());
+    }
+    out
+}
+
+/// A key over its local limit is admitted again after `DELETE`, which the token guards; the
+/// other keys keep their state. 404 and 400 as for the state.
+#[tokio::test]
+async fn delete_forgets_a_local_key_so_it_is_admitted_again() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "  admin_token: s3cret\n")).await;
+    assert_eq!(statuses(&g, "ann", 4).await, [200, 200, 200, 429]);
+    assert_eq!(statuses(&g, "bob", 4).await, [200, 200, 200, 429]);
+    let path = "/admin/limits/api/per-user?key=ann";
+    let (s, _) = admin_call(&g, reqwest::Method::DELETE, path, None).await;
+    assert_eq!(s, 401, "behind the token");
+    let (s, _) = admin_call(&g, reqwest::Method::DELETE, path, Some("wrong")).await;
+    assert_eq!(s, 401);
+    assert_eq!(statuses(&g, "ann", 1).await, [429], "nothing was reset");
+    let (s, body) = admin_call(&g, reqwest::Method::DELETE, path, Some("s3cret")).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["result"], "reset");
+    assert_eq!(body["key"], "ann");
+    assert_eq!(body["scope"], "local");
+    assert_eq!(body["in_process"]["local"], true, "{body}");
+    assert_eq!(body["redis_keys_deleted"], Value::Null);
+    let (_, state) = admin_call(&g, reqwest::Method::GET, path, Some("s3cret")).await;
+    assert_eq!(state["remaining"], 3, "full again: {state}");
+    assert_eq!(statuses(&g, "ann", 4).await, [200, 200, 200, 429]);
+    assert_eq!(
+        statuses(&g, "bob", 1).await,
+        [429],
+        "another key keeps its state"
+    );
+    // Resetting a key held by no one: 200, nothing was held.
+    let (s, body) = admin_call(
+        &g,
+        reqwest::Method::DELETE,
+        "/admin/limits/api/per-user?key=nobody",
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(
+        (s, &body["in_process"]["local"]),
+        (200, &Value::Bool(false))
+    );
+    for (path, want) in [
+        ("/admin/limits/nope/per-user?key=ann", 404),
+        ("/admin/limits/api/nope?key=ann", 404),
+        ("/admin/limits/api/per-user", 400),
+        ("/admin/limits/api/per-user?key=", 400),
+    ] {
+        let (s, body) = admin_call(&g, reqwest::Method::DELETE, path, Some("s3cret")).await;
+        assert_eq!(s, want, "{path}: {body}");
+        assert!(body["error"].is_string(), "{path}: {body}");
+    }
+}
+
+/// `top` lists the keys rejected in the last minute, most first, with their counts; `n`
+/// bounds the list; the token guards it.
+#[tokio::test]
+async fn top_lists_the_rejected_keys_most_first() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&cfg(&up.url(), "  admin_token: s3cret\n")).await;
+    // 3 admitted each, then carol 5 rejections, ann 2, bob 1; dave never rejected.
+    for (user, n) in [("ann", 5), ("bob", 4), ("carol", 8), ("dave", 2)] {
+        statuses(&g, user, n).await;
+    }
+    let path = "/admin/limits/api/per-user/top";
+    let (s, _) = admin_call(&g, reqwest::Method::GET, path, None).await;
+    assert_eq!(s, 401, "behind the token");
+    let (s, top) = admin_call(&g, reqwest::Method::GET, path, Some("s3cret")).await;
+    assert_eq!(s, 200, "{top}");
+    let listed: Vec<(String, u64, u64)> = top["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            (
+                k["key"].as_str().unwrap().to_owned(),
+                k["count"].as_u64().unwrap(),
+                k["error"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("carol".to_owned(), 5, 0),
+            ("ann".to_owned(), 2, 0),
+            ("bob".to_owned(), 1, 0)
+        ],
+        "{top}"
+    );
+    assert_eq!(top["rejected"], 8);
+    assert_eq!(top["n"], 10, "the default");
+    assert!(top["window_ms"].as_u64().unwrap() >= 60_000, "{top}");
+    let (_, top) = admin_call(
+        &g,
+        reqwest::Method::GET,
+        &format!("{path}?n=1"),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(top["keys"].as_array().unwrap().len(), 1);
+    assert_eq!(top["keys"][0]["key"], "carol");
+    let (_, top) = admin_call(
+        &g,
+        reqwest::Method::GET,
+        &format!("{path}?n=100000"),
+        Some("s3cret"),
+    )
+    .await;
+    assert_eq!(
+        top["n"], top["capacity"],
+        "n is capped at the capacity: {top}"
+    );
+    for (path, want) in [
+        (format!("{path}?n=0"), 400),
+        (format!("{path}?n=many"), 400),
+        ("/admin/limits/api/nope/top".to_owned(), 404),
+        ("/admin/limits/nope/per-user/top".to_owned(), 404),
+    ] {
+        let (s, body) = admin_call(&g, reqwest::Method::GET, &path, Some("s3cret")).await;
+        assert_eq!(s, want, "{path}: {body}");
+    }
+}

@@ -674,3 +674,139 @@ async fn shadow_and_enforced_limits_are_one_call_and_charged_together() {
         "only the admitted request charged the shadow limit: {s}"
     );
 }
+
+/// `DELETE /admin/limits/..?key=` on a global limit: the key's Redis state is deleted and this
+/// instance's in-process tier forgets it, so the key is admitted again at once; another
+/// instance, whose in-process tier held a rejection for the key, hears the reset on Redis and
+/// forgets it too. Redis down: 503, with what was forgotten in process.
+#[tokio::test]
+async fn delete_resets_a_global_key_in_redis_and_in_process() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: per-user\n        key: [header:x-user]\n        algorithm: gcra\n        rate: 3/1d\n        burst: 3\n";
+    let yaml = on_shared_redis(redis, "reset", &up, limits).replace(
+        "  admin: 127.0.0.1:0\n",
+        "  admin: 127.0.0.1:0\n  admin_token: s3cret\n",
+    );
+    let (g1, g2) = (Gateway::start(&yaml).await, Gateway::start(&yaml).await);
+    let c = client();
+    let send = |g: &Gateway, n: usize| {
+        let reqs: Vec<_> = (0..n)
+            .map(|_| c.get(g.url("/")).header("x-user", "ann"))
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for r in reqs {
+                out.push(r.send().await.unwrap().status().as_u16());
+            }
+            out
+        }
+    };
+    let delete = |g: &Gateway, token: Option<&str>| {
+        let mut r = c.delete(g.admin_url("/admin/limits/reset/per-user?key=ann"));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    let keys = || redis.cli(&["--scan", "--pattern", "tg:{reset/per-user/ann}*"]);
+    assert_eq!(send(&g1, 5).await, [200, 200, 200, 429, 429]);
+    assert_eq!(send(&g2, 1).await, [429], "one budget for both");
+    assert_eq!(keys().lines().count(), 1);
+    assert_eq!(delete(&g1, None).await.0, 401, "behind the token");
+    let (s, body) = delete(&g1, Some("s3cret")).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["scope"], "global");
+    assert_eq!(body["redis_keys_deleted"], 1, "{body}");
+    assert_eq!(body["in_process"]["deny_tier"], true, "{body}");
+    assert_eq!(keys(), "", "the key's Redis state is gone");
+    // g2's in-process tier held "rejected until tomorrow": the published reset cleared it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while g2.shared.gateway.snapshot.load().routes[0].limits.limits[0]
+        .deny_cache
+        .check(b"ann", g2.shared.gateway.clock.now(), 0)
+        .is_some()
+    {
+        assert!(Instant::now() < deadline, "g2 never heard of the reset");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        send(&g2, 2).await,
+        [200, 200],
+        "full again, on the other instance too"
+    );
+    assert_eq!(send(&g1, 2).await, [200, 429], "one budget, as before");
+
+    // Redis down: the reset is not confirmed (503), this instance forgot the key all the same.
+    let mut down = RedisServer::start();
+    let yaml = cfg_timeout(
+        &format!("url: {}", down.url()),
+        "allow",
+        "200ms",
+        &route("reset-down", &up.url(), limits),
+    );
+    let g = Gateway::start(&yaml).await;
+    assert_eq!(send(&g, 4).await, [200, 200, 200, 429]);
+    down.stop();
+    let (s, body) = delete(&g, None).await;
+    assert_eq!(s, 404, "another route: {body}");
+    let r = c
+        .delete(g.admin_url("/admin/limits/reset-down/per-user?key=ann"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["result"], "error", "{body}");
+    assert_eq!(body["in_process"]["deny_tier"], true, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("redis"), "{body}");
+}
+
+/// The same for an eventual limit: its window counters in Redis (the windows around now, as
+/// this instance reckons Redis's time) go with the reset, and so do the counts in process, so
+/// the key is full again although the counts had reached Redis.
+#[tokio::test]
+async fn delete_resets_an_eventual_key_and_its_window_counters() {
+    let redis = shared_redis();
+    let up = Upstream::start().await;
+    let limits = "      - name: per-user\n        key: [header:x-user]\n        algorithm: sliding_window\n        rate: 3/1d\n        consistency: eventual\n        sync_interval: 20ms\n";
+    let g = Gateway::start(&on_shared_redis(redis, "reset-ev", &up, limits)).await;
+    let c = client();
+    let send = |n: usize| {
+        let reqs: Vec<_> = (0..n)
+            .map(|_| c.get(g.url("/")).header("x-user", "ann"))
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for r in reqs {
+                out.push(r.send().await.unwrap().status().as_u16());
+            }
+            out
+        }
+    };
+    let counters = || redis.cli(&["--scan", "--pattern", "tg:{reset-ev/per-user/ann}*"]);
+    assert_eq!(send(4).await, [200, 200, 200, 429]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !counters().lines().any(|k| k.contains(":ev:")) {
+        assert!(Instant::now() < deadline, "the counts never reached redis");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Several intervals more: the last request's mark is synced, no sync is left in flight to
+    // write a counter again after the DEL.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let r = c
+        .delete(g.admin_url("/admin/limits/reset-ev/per-user?key=ann"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(body["redis_keys_deleted"].as_u64().unwrap() >= 1, "{body}");
+    assert_eq!(body["in_process"]["eventual"], true, "{body}");
+    assert_eq!(counters(), "", "every counter of the key is gone");
+    assert_eq!(send(4).await, [200, 200, 200, 429], "full again");
+}

@@ -145,6 +145,24 @@ async fn limits_on_different_nodes_are_all_or_nothing() {
             );
         }
     }
+    // A reset (the admin API's DELETE) deletes one limit's keys for one key in one DEL, on
+    // the node of their slot: the sliding log's two keys share it. Another instance hears of
+    // it (published on the cluster), whichever node its subscription landed on.
+    let other = connect(&cluster);
+    let mut heard = other.resets();
+    // Its subscription is made once its connection is up.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (node, (l, key)) in limits.iter().zip(&keys).enumerate() {
+        let ks = redis_keys(key, l.algorithm);
+        assert_eq!(store.reset(ks.clone()).await, Ok(ks.len() as u64), "{key}");
+        for k in ks {
+            assert_eq!(cluster.cli_node(node, &["exists", &k]), "0", "{k}");
+        }
+        let tag = tokio::time::timeout(Duration::from_secs(5), heard.recv()).await;
+        let want = key.trim_start_matches("tg:{").trim_end_matches('}');
+        assert_eq!(tag.expect("heard in time").unwrap(), want);
+    }
+    other.shutdown().await;
     store.shutdown().await;
 }
 

@@ -240,6 +240,13 @@ impl DenyCache {
         );
     }
 
+    /// Forgets what Redis said about `key` (the admin API's reset, after the key's Redis state
+    /// was deleted): the next request for it asks Redis. Returns whether the tier held it at
+    /// `now`. A probe in flight for the key ends as usual (its guard finds no entry).
+    pub fn forget(&self, key: &[u8], now: Micros) -> bool {
+        self.map.forget(key, now)
+    }
+
     /// Drops every entry expired at `now` (an entry outlives its `admit_at` by a second, the probe
     /// window); returns the number kept.
     pub fn sweep(&self, now: Micros) -> usize {

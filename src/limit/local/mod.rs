@@ -49,6 +49,12 @@ impl LocalStore {
         }
     }
 
+    /// Forgets `key`'s state (the admin API's reset): its next request finds it full.
+    /// Returns whether the store held it at `now` (a key back to full is held by no one).
+    pub fn forget(&self, key: &[u8], now: Micros) -> bool {
+        self.map.forget(key, now)
+    }
+
     /// Drops every key whose state is back to full; returns the number of keys kept.
     pub fn sweep(&self, now: Micros) -> usize {
         self.map.sweep(now)

@@ -150,6 +150,18 @@ impl<V> Shard<V> {
         });
     }
 
+    /// Forgets `key`: its entry, if any, reads as absent from now on (expired, it stays in
+    /// place to keep probe chains intact, as any expired entry does). Returns whether it was
+    /// live at `now`.
+    pub fn forget(&mut self, hash: u64, key: &[u8], now: Micros) -> bool {
+        let Some(Some(e)) = self.find(hash, key).map(|i| &mut self.slots[i]) else {
+            return false;
+        };
+        let live = e.expires_at > now;
+        e.expires_at = 0;
+        live
+    }
+
     /// Moves the entries live at `now` into a table sized for them and `extra` more at most
     /// 3/8 full (growing, or shrinking once most keys are gone), dropping the expired ones.
     fn rebuild(&mut self, now: Micros, extra: usize) {
@@ -243,6 +255,12 @@ impl<V> Sharded<V> {
     /// The shard holding `hash`. The table uses the hash's low bits; the shard its high ones.
     pub fn lock(&self, hash: u64) -> MutexGuard<'_, Shard<V>> {
         self.shards[(hash >> 58) as usize % SHARDS].0.lock()
+    }
+
+    /// Forgets `key` (see [`Shard::forget`]); whether it was live at `now`.
+    pub fn forget(&self, key: &[u8], now: Micros) -> bool {
+        let hash = self.hash(key);
+        self.lock(hash).forget(hash, key, now)
     }
 
     /// Drops every entry expired at `now`; returns the number kept.
@@ -361,6 +379,46 @@ mod tests {
             }
             prop_assert_eq!(seen, model.values().filter(|e| e.1 > now).count());
         }
+    }
+
+    #[test]
+    fn a_forgotten_key_reads_as_absent_and_its_neighbours_stay() {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut shard: Shard<u64> = Shard::new(hasher.clone());
+        let keys: Vec<Vec<u8>> = (0..200u8).map(key).collect();
+        for (v, k) in keys.iter().enumerate() {
+            shard.update(
+                hasher.hash_one(&k[..]),
+                k,
+                1,
+                || 0,
+                |x, _| {
+                    *x = v as u64;
+                    100
+                },
+            );
+        }
+        let h = |k: &[u8]| hasher.hash_one(k);
+        assert!(shard.forget(h(&keys[7]), &keys[7], 1));
+        assert!(!shard.forget(h(&keys[7]), &keys[7], 1), "already forgotten");
+        assert!(!shard.forget(h(b"never"), b"never", 1));
+        assert_eq!(shard.get(h(&keys[7]), &keys[7], 1), None);
+        // Every other key is still found, probe chains through the forgotten slot included.
+        for (v, k) in keys.iter().enumerate().filter(|(i, _)| *i != 7) {
+            assert_eq!(shard.get(h(k), k, 1), Some(&(v as u64)));
+        }
+        // Written again, it starts fresh.
+        shard.update(
+            h(&keys[7]),
+            &keys[7],
+            1,
+            || 0,
+            |x, live| {
+                assert!(!live);
+                assert_eq!(*x, 0);
+                100
+            },
+        );
     }
 
     #[test]

@@ -54,7 +54,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use fred::interfaces::EventInterface;
+use fred::interfaces::{EventInterface, KeysInterface, PubsubInterface};
 use fred::prelude::{
     Builder, ClientLike, Config, ConnectionConfig, PerformanceConfig, Pool, ReconnectPolicy,
     ServerConfig,
@@ -64,6 +64,13 @@ use tokio::task::JoinSet;
 
 use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
 use script::{Call, DecideReply, Scripts};
+
+/// The channel resets are published on (see [`RedisStore::reset`]).
+pub const RESET_CHANNEL: &str = "tollgate:reset";
+
+/// Resets heard but not yet handled before the oldest are dropped (a receiver that lags
+/// misses them; they are rare, an operator's).
+const RESETS_QUEUED: usize = 1024;
 
 /// Consecutive outage failures that open the breaker.
 pub const BREAKER_THRESHOLD: u32 = 3;
@@ -178,6 +185,10 @@ struct Inner {
     scripts: Scripts,
     breaker: Mutex<Breaker>,
     shut_down: AtomicBool,
+    /// Subscribed to [`RESET_CHANNEL`]: resets sent by any instance.
+    subscriber: fred::clients::Client,
+    /// What the subscriber hears, for [`RedisStore::resets`].
+    resets: tokio::sync::broadcast::Sender<String>,
 }
 
 impl Inner {
@@ -255,6 +266,25 @@ impl Inner {
         result
     }
 
+    /// One `DEL` of `keys` within the timeout, whatever the breaker says (an operator's
+    /// reset is worth a try); its outcome feeds the breaker. The number of keys that existed.
+    async fn del(&self, keys: Vec<String>) -> Result<u64, RedisError> {
+        let client = self.pool.next_connected();
+        let call = async {
+            if !client.is_connected() {
+                client.wait_for_connect().await?;
+            }
+            client.del::<u64, _>(keys).await
+        };
+        let result = match tokio::time::timeout(self.timeout + OUTER_SLACK, call).await {
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(e)) => Err(RedisError::from(e)),
+            Err(_) => Err(timed_out(client)),
+        };
+        self.record(result.as_ref().map(|_| ()));
+        result
+    }
+
     fn check_breaker(&self) -> Result<(), RedisError> {
         if self.breaker().allows_requests() {
             Ok(())
@@ -271,8 +301,10 @@ impl Drop for Inner {
             && let Ok(handle) = tokio::runtime::Handle::try_current()
         {
             let pool = self.pool.clone();
+            let subscriber = self.subscriber.clone();
             handle.spawn(async move {
                 let _ = tokio::time::timeout(Duration::from_secs(1), pool.quit()).await;
+                let _ = tokio::time::timeout(Duration::from_secs(1), subscriber.quit()).await;
             });
         }
     }
@@ -346,6 +378,17 @@ impl RedisStore {
         // Short backoff ceiling: decisions come back to Redis within ~1 s of it returning.
         let mut policy = ReconnectPolicy::new_exponential(0, 10, 400, 2);
         policy.set_jitter(20);
+        // Its own connection: a RESP2 connection that subscribed runs nothing else.
+        let subscriber = Builder::from_config(config.clone())
+            .with_connection_config(|c: &mut ConnectionConfig| {
+                c.connection_timeout = Duration::from_secs(1);
+                c.internal_command_timeout = Duration::from_secs(1);
+            })
+            .set_policy(policy.clone())
+            .build()
+            .map_err(|e| {
+                RedisError::Connection(format!("building the redis subscriber: {}", e.details()))
+            })?;
         let pool = Builder::from_config(config)
             .with_connection_config(|c: &mut ConnectionConfig| {
                 c.connection_timeout = Duration::from_secs(1);
@@ -382,12 +425,20 @@ impl RedisStore {
             scripts: Scripts::new(path),
             breaker: Mutex::new(Breaker::new(BREAKER_THRESHOLD, PROBE_EVERY)),
             shut_down: AtomicBool::new(false),
+            subscriber: subscriber.clone(),
+            resets: tokio::sync::broadcast::channel(RESETS_QUEUED).0,
         });
         let logged = Arc::new(Mutex::new(BTreeMap::new()));
         for client in inner.pool.clients() {
             runtime.spawn(supervise(client.clone(), Arc::downgrade(&inner)));
             runtime.spawn(log_connection_errors(client.error_rx(), logged.clone()));
         }
+        runtime.spawn(supervise(subscriber.clone(), Arc::downgrade(&inner)));
+        runtime.spawn(listen_resets(
+            subscriber,
+            inner.resets.clone(),
+            Arc::downgrade(&inner),
+        ));
         runtime.spawn(probe_loop(Arc::downgrade(&inner)));
         if path == ScriptPath::Functions {
             runtime.spawn(load_library(Arc::downgrade(&inner)));
@@ -665,6 +716,34 @@ impl RedisStore {
         }
     }
 
+    /// Deletes `keys` in one `DEL` (the admin API's reset of one key of a limit) and returns
+    /// how many existed. The keys must share a hash slot on a Cluster: one limit's keys for one
+    /// key do (see [`redis_keys`]). Sent even while the breaker is open, like [`Self::ping`].
+    ///
+    /// Once deleted, the keys' hash tag is published on [`RESET_CHANNEL`], so every instance
+    /// forgets the key in process too (its in-process tier would otherwise go on rejecting it
+    /// from what Redis said before); best effort: a publish that fails is logged, the reset
+    /// stands.
+    pub async fn reset(&self, keys: Vec<String>) -> Result<u64, RedisError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let tag = hash_tag(&keys[0]).map(str::to_owned);
+        let deleted = self.inner.del(keys).await?;
+        let Some(tag) = tag else {
+            // Not a limit's keys (those always have a tag): nobody to tell.
+            return Ok(deleted);
+        };
+        let client = self.inner.pool.next_connected();
+        let publish = client.publish::<i64, _, _>(RESET_CHANNEL, tag);
+        match tokio::time::timeout(self.inner.timeout + OUTER_SLACK, publish).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %RedisError::from(e), "publishing a reset"),
+            Err(_) => tracing::warn!("publishing a reset: no answer within the timeout"),
+        }
+        Ok(deleted)
+    }
+
     /// The breaker lets requests through: Redis answered last time, or has not failed yet.
     pub fn is_available(&self) -> bool {
         self.inner.breaker().allows_requests()
@@ -694,6 +773,69 @@ impl RedisStore {
     pub async fn shutdown(&self) {
         self.inner.shut_down.store(true, Ordering::SeqCst);
         let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.pool.quit()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.subscriber.quit()).await;
+    }
+
+    /// The resets any instance sends from now on (this one's too): each the hash tag of the
+    /// key that was reset (`ROUTE/LIMIT/KEY`, see [`RedisStore::reset`]).
+    pub fn resets(&self) -> tokio::sync::broadcast::Receiver<String> {
+        self.inner.resets.subscribe()
+    }
+
+    /// Whether `other` is a clone of this store (same pool): a reload kept it.
+    pub fn same(&self, other: &RedisStore) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// Subscribes `client` to [`RESET_CHANNEL`] once it is connected, again after every
+/// reconnection (a new connection has no subscriptions), and passes every message on to `tx`,
+/// until the store is dropped or shut down.
+async fn listen_resets(
+    client: fred::clients::Client,
+    tx: tokio::sync::broadcast::Sender<String>,
+    inner: Weak<Inner>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    let mut messages = client.message_rx();
+    let mut reconnects = client.reconnect_rx();
+    let stopped = || {
+        inner
+            .upgrade()
+            .is_none_or(|i| i.shut_down.load(Ordering::SeqCst))
+    };
+    // The first connection may not be up yet: `reconnect_rx` reports it too.
+    if client.is_connected() {
+        let _ = client.subscribe(RESET_CHANNEL).await;
+    }
+    loop {
+        tokio::select! {
+            m = messages.recv() => match m {
+                Ok(m) => {
+                    if let Some(tag) = m.value.as_string() {
+                        let _ = tx.send(tag);
+                    }
+                }
+                Err(RecvError::Lagged(_)) => {}
+                Err(RecvError::Closed) => return,
+            },
+            r = reconnects.recv() => match r {
+                Ok(_) | Err(RecvError::Lagged(_)) => {
+                    if stopped() {
+                        return;
+                    }
+                    if let Err(e) = client.subscribe(RESET_CHANNEL).await {
+                        tracing::warn!(error = %RedisError::from(e), "subscribing to resets");
+                    }
+                }
+                Err(RecvError::Closed) => return,
+            },
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                if stopped() {
+                    return;
+                }
+            }
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use crate::limit::GlobalStore;
 use crate::limit::algorithm::{Algorithm, Micros, Snapshot};
 use crate::limit::clock::{Clock, ManualClock};
 use crate::limit::local::{self, LocalCheck, LocalStore};
-use crate::limit::redis::{Decision, GlobalLimit, LimitVerdict, RedisError};
+use crate::limit::redis::{Decision, GlobalLimit, LimitVerdict, RedisError, hash_tag};
 
 pub(super) struct FakeStore<'c> {
     clock: &'c ManualClock,
@@ -27,6 +27,7 @@ pub(super) struct FakeStore<'c> {
     parked: Mutex<Option<oneshot::Receiver<()>>>,
     pub(super) decides: AtomicUsize,
     pub(super) syncs: AtomicUsize,
+    pub(super) resets: AtomicUsize,
 }
 
 impl<'c> FakeStore<'c> {
@@ -39,6 +40,7 @@ impl<'c> FakeStore<'c> {
             parked: Mutex::default(),
             decides: AtomicUsize::new(0),
             syncs: AtomicUsize::new(0),
+            resets: AtomicUsize::new(0),
         }
     }
 
@@ -151,5 +153,25 @@ impl GlobalStore for FakeStore<'_> {
             *tat = ((*tat).max(now) + units * interval).min(now + tau);
         }
         Ok((*tat, now))
+    }
+
+    /// Forgets everything held under the keys' hash tag: the fake keeps a strict limit's
+    /// state under its base key, not under the suffixed keys Redis uses, so it deletes by
+    /// tag (one limit's one key, as a reset asks).
+    async fn reset(&self, keys: Vec<String>) -> Result<u64, RedisError> {
+        self.resets.fetch_add(1, Ordering::SeqCst);
+        self.failure()?;
+        let tags: Vec<&str> = keys.iter().filter_map(|k| hash_tag(k)).collect();
+        let gone = |k: &String| hash_tag(k).is_some_and(|t| tags.contains(&t));
+        let mut n = 0;
+        let mut stores = self.keys.lock().unwrap();
+        let before = stores.len();
+        stores.retain(|k, _| !gone(k));
+        n += before - stores.len();
+        let mut counters = self.counters.lock().unwrap();
+        let before = counters.len();
+        counters.retain(|k, _| !gone(k));
+        n += before - counters.len();
+        Ok(n as u64)
     }
 }

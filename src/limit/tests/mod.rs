@@ -630,3 +630,103 @@ fn an_eventual_limit_beside_a_strict_global_one_admits_each_unit_once() {
     });
     assert_eq!(count.into_inner(), KEYS);
 }
+
+/// A reset (the admin API's `DELETE`) makes an exhausted key full again whichever tier held it:
+/// a local limit's store, a strict global limit's store and in-process tier, an eventual
+/// limit's counts in process and in the store (window counters, or gcra's TAT); and every
+/// rejection before it was recorded for `top`.
+#[test]
+fn a_reset_key_is_full_again_in_every_tier() {
+    let cases = [
+        ("local", "scope: local, algorithm: fixed_window", None),
+        ("strict gcra", "algorithm: gcra", Some(1)),
+        ("strict log", "algorithm: sliding_log", Some(1)),
+        (
+            "eventual window",
+            "algorithm: sliding_window, consistency: eventual",
+            Some(2),
+        ),
+        (
+            "eventual gcra",
+            "algorithm: gcra, consistency: eventual",
+            Some(1),
+        ),
+    ];
+    let rt = current_thread();
+    for (case, how) in cases.iter().map(|(c, h, d)| (*c, (*h, *d))) {
+        let (settings, deleted) = how;
+        let metrics = Metrics::new();
+        let clock = ManualClock::new(NOW);
+        let yaml = format!("{{name: l, key: [query:k], rate: 2/1d, {settings}}}");
+        let set = limit_set(&metrics, &[&yaml], NOW);
+        let store = FakeStore::new(&clock);
+        let cx = context(&clock, Some(&store), STRICT, &metrics);
+        let uri: http::Uri = "/?k=k".parse().unwrap();
+        let held = (http::Method::GET, http::HeaderMap::new());
+        let decide = || answer(&set, &rt.block_on(set.evaluate(&parts(&uri, &held), &cx)));
+        let got: Vec<String> = (0..4).map(|_| decide()).collect();
+        assert_eq!(got, ["admit", "admit", "429 l", "429 l"], "{case}");
+        let l = &set.limits[0];
+        let top = l.top.top(10, NOW);
+        assert_eq!(top.keys.len(), 1, "{case}");
+        assert_eq!((&top.keys[0].key[..], top.keys[0].count), (&b"k"[..], 2));
+        // Every key a reset deletes shares the limit's key's hash tag: one Cluster slot.
+        let keys = l.reset_keys(b"k", NOW);
+        assert!(
+            keys.iter().all(|k| redis::hash_tag(k) == Some("r/l/k")),
+            "{case}: {keys:?}"
+        );
+        // A reset published by another instance names the key by its hash tag.
+        let heard = l.reset_key_of("r/l/k");
+        assert_eq!(heard, deleted.map(|_| &b"k"[..]), "{case}");
+        assert_eq!(l.reset_key_of("r/l/"), None);
+        assert_eq!(l.reset_key_of("r/other/k"), None);
+        let reset = rt.block_on(l.reset(b"k", Some(&store), NOW)).unwrap();
+        assert_eq!(reset.redis_deleted, deleted.map(|d| d as u64), "{case}");
+        let f = reset.in_process;
+        match case {
+            "local" => assert!(f.local && !f.deny_tier && !f.eventual),
+            c if c.starts_with("strict gcra") => assert!(!f.local && f.deny_tier, "{f:?}"),
+            c if c.starts_with("eventual") => assert!(f.eventual, "{f:?}"),
+            _ => {}
+        }
+        let got: Vec<String> = (0..3).map(|_| decide()).collect();
+        assert_eq!(got, ["admit", "admit", "429 l"], "{case} after the reset");
+    }
+}
+
+/// Redis not answering a reset: the error says so and carries what this instance forgot,
+/// which it forgot all the same (its fallback store, for `on_error: allow`, is full again).
+#[test]
+fn a_reset_redis_does_not_confirm_still_forgets_in_process() {
+    let metrics = Metrics::new();
+    let clock = ManualClock::new(NOW);
+    let set = limit_set(
+        &metrics,
+        &["{name: l, key: [query:k], algorithm: fixed_window, rate: 1/1d}"],
+        NOW,
+    );
+    let store = FakeStore::new(&clock);
+    store.fail_with(Some(RedisError::Timeout));
+    let cx = context(&clock, Some(&store), LAX, &metrics);
+    let uri: http::Uri = "/?k=k".parse().unwrap();
+    let held = (http::Method::GET, http::HeaderMap::new());
+    let rt = current_thread();
+    let decide = || answer(&set, &rt.block_on(set.evaluate(&parts(&uri, &held), &cx)));
+    assert_eq!(
+        [decide(), decide()],
+        ["admit", "429 l"],
+        "decided on the fallback"
+    );
+    let l = &set.limits[0];
+    let e = rt.block_on(l.reset(b"k", Some(&store), NOW)).unwrap_err();
+    assert_eq!(e.error, RedisError::Timeout);
+    assert!(e.in_process.local, "{e:?}");
+    assert_eq!(store.resets.load(Ordering::SeqCst), 1);
+    assert_eq!(decide(), "admit", "the fallback store forgot the key");
+    // No store at all: as Redis down.
+    let e = rt
+        .block_on(l.reset::<FakeStore<'_>>(b"k", None, NOW))
+        .unwrap_err();
+    assert_eq!(e.error, RedisError::Unavailable);
+}
