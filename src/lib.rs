@@ -11,6 +11,8 @@ pub mod alloc;
 pub mod app;
 pub mod config;
 pub mod connector;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod key;
 pub mod limit;
 pub mod listener;
