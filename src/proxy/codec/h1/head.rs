@@ -269,7 +269,12 @@ fn parse_response_in<'b>(
         return Ok(ParsedResponse::Invalid);
     };
     let at = offsets(buf);
-    let reason = resp.reason.map_or(0..0, |r| at(r.as_bytes()));
+    // An empty reason may be httparse's own `""` (a missing reason, or one with obs-text),
+    // which is not in `buf`: only a reason with bytes is an offset.
+    let reason = resp
+        .reason
+        .filter(|r| !r.is_empty())
+        .map_or(0..0, |r| at(r.as_bytes()));
     fields.clear();
     let mut length: Option<u64> = None;
     let mut te: Option<Range<usize>> = None;
@@ -493,5 +498,21 @@ mod tests {
             ),
             ParsedResponse::Invalid
         ));
+    }
+
+    /// Found by fuzzing (fuzz/regressions/response_head/): a reason with obs-text, or none,
+    /// is httparse's static `""`, whose offset in the buffer overflowed.
+    #[test]
+    fn a_reason_httparse_drops_is_an_empty_range() {
+        for text in [
+            &b"HTTP/1.1 200 \xff\xff\xff\xffContent-Length: 3\r\n\r\n"[..],
+            b"HTTP/1.1 200 \xffok\r\nContent-Length: 3\r\n\r\n",
+            b"HTTP/1.1 200\r\nContent-Length: 3\r\n\r\n",
+        ] {
+            let ParsedResponse::Complete(r) = parse_response(text, false, &mut Vec::new()) else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.reason, 0..0, "{text:?}");
+        }
     }
 }
