@@ -1012,4 +1012,45 @@ mod tests {
         assert_eq!(seen[0].body.as_deref(), Some(&b"hello"[..]));
         differential_framing(data);
     }
+
+    /// At the bounds of hyper's trailer and extension limits, the chunked scanner takes a
+    /// body exactly when hyper reads it.
+    #[test]
+    fn the_scanner_takes_what_hyper_takes_at_its_limits() {
+        let head = b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n";
+        let check = |body: Vec<u8>| {
+            let mut data = head.to_vec();
+            data.extend_from_slice(&body);
+            let fast = fast_codec(&data).len();
+            let hyper = hyper_reads(Bytes::from(data), Server::General);
+            let read = hyper.first().is_some_and(|s| s.body.is_some());
+            assert_eq!(fast == 1, read, "body of {} bytes", body.len());
+        };
+        for total in 16_370..16_390 {
+            // One trailer `t:` of `total` bytes with its CRLF, then the final CRLF.
+            let mut b = b"0\r\nt:".to_vec();
+            b.extend(std::iter::repeat_n(b'v', total - 4 - 2));
+            b.extend_from_slice(b"\r\n\r\n");
+            check(b);
+        }
+        for n in 99..=101 {
+            let mut b = b"0\r\n".to_vec();
+            for i in 0..n {
+                b.extend_from_slice(format!("t{i}: v\r\n").as_bytes());
+            }
+            b.extend_from_slice(b"\r\n");
+            check(b);
+        }
+        for total in 16_380..16_388 {
+            let mut b = Vec::new();
+            let mut left = total;
+            while left > 0 {
+                let n = left.min(4000);
+                b.extend_from_slice(format!("1;{}\r\nx\r\n", "e".repeat(n)).as_bytes());
+                left -= n;
+            }
+            b.extend_from_slice(b"0\r\n\r\n");
+            check(b);
+        }
+    }
 }
