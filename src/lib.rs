@@ -12,6 +12,8 @@ pub mod alloc;
 pub mod app;
 pub mod config;
 mod connector;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod key;
 pub mod limit;
 mod listener;

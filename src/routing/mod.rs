@@ -96,7 +96,9 @@ pub(crate) fn normalize_path(uri: &Uri) -> Option<Uri> {
         return None;
     }
     let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len() + uri.query().map_or(0, |q| q.len() + 1));
+    // Bytes, not chars: a path may hold bytes above 0x7f (`http::Uri` takes them), which go on
+    // as they came rather than as the two-byte UTF-8 of their Latin-1 reading.
+    let mut out = Vec::with_capacity(path.len() + uri.query().map_or(0, |q| q.len() + 1));
     let mut changed = false;
     let mut i = 0;
     while i < bytes.len() {
@@ -108,7 +110,7 @@ pub(crate) fn normalize_path(uri: &Uri) -> Option<Uri> {
         {
             let decoded = h << 4 | l;
             if decoded.is_ascii_alphanumeric() || b"-._~".contains(&decoded) {
-                out.push(char::from(decoded));
+                out.push(decoded);
                 changed = true;
             } else {
                 let upper = [
@@ -117,20 +119,26 @@ pub(crate) fn normalize_path(uri: &Uri) -> Option<Uri> {
                     bytes[i + 2].to_ascii_uppercase(),
                 ];
                 changed |= upper[1] != bytes[i + 1] || upper[2] != bytes[i + 2];
-                out.push_str(std::str::from_utf8(&upper).unwrap_or("%"));
+                out.extend_from_slice(&upper);
             }
             i += 3;
             continue;
         }
-        out.push(char::from(bytes[i]));
+        if bytes[i] == b'%' {
+            // A `%` that does not start an escape: left as it came, for `path_problem` to
+            // refuse. Passed on, it could start one with what follows it decoded (`%%36C` is
+            // `%6C`, which the upstream reads as `l`), a path routing never saw.
+            return None;
+        }
+        out.push(bytes[i]);
         i += 1;
     }
     if !changed {
         return None;
     }
     if let Some(q) = uri.query() {
-        out.push('?');
-        out.push_str(q);
+        out.push(b'?');
+        out.extend_from_slice(q.as_bytes());
     }
     let mut parts = uri.clone().into_parts();
     parts.path_and_query = Some(http::uri::PathAndQuery::try_from(out).ok()?);
@@ -287,6 +295,36 @@ mod tests {
         assert_eq!(n("/plain?q=%6c"), None);
         assert_eq!(n("/bad%zz%4"), None);
         assert_eq!(n("http://h:1/%61?x=1").as_deref(), Some("http://h:1/a?x=1"));
+    }
+
+    /// Found by fuzzing (fuzz/regressions/path/stray-percent-makes-an-escape): a `%` that
+    /// starts no escape, followed by an escape that decodes to a hex digit, made a new escape
+    /// that `path_problem` took and routing never decoded: `/%%36Cogin` as `/%6Cogin`, which an
+    /// upstream reads as `/login`, past the `/login` route and its limits.
+    #[test]
+    fn a_stray_percent_is_left_for_path_problem_to_refuse() {
+        for raw in [
+            "/%%36Cogin",
+            "/%%34%31",
+            "/a%",
+            "/%6C%zz",
+            "/LLLLLLLLLLLLLf%%4%41",
+        ] {
+            let uri: Uri = raw.parse().unwrap();
+            assert_eq!(normalize_path(&uri), None, "{raw}");
+            assert!(path_problem(uri.path()).is_some(), "{raw}");
+        }
+    }
+
+    /// Found by fuzzing (fuzz/regressions/path/): bytes above 0x7f in a path with an escape
+    /// came out as the UTF-8 of their Latin-1 reading (0xD1 as C3 91), a different path.
+    #[test]
+    fn bytes_above_ascii_go_on_as_they_came() {
+        let raw = &b"/%6cogin/\xd1\xa5%2f??q="[..];
+        let uri = Uri::try_from(raw).unwrap();
+        let n = normalize_path(&uri).unwrap();
+        assert_eq!(n.path().as_bytes(), b"/login/\xd1\xa5%2F");
+        assert_eq!(n.query(), Some("?q="));
     }
 
     /// Against the plain definition (decode `%2e` either case, compare with `.` and `..`) for

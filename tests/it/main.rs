@@ -11,6 +11,7 @@ mod delay;
 mod eventual;
 mod exchange_end;
 mod fast_path;
+mod fuzz_corpus;
 mod gateway;
 mod global;
 mod lua_mirror;

@@ -50,7 +50,14 @@ const MAX_SIZE_DIGITS: u8 = 16;
 /// pass to the upstream as they came, so what tollgate accepts must be what any parser
 /// behind it reads the same way: bounded, and without control bytes.
 const MAX_EXT: u32 = 4096;
+/// Extension bytes in a whole body, and the trailer section's bytes (its colons and line
+/// ends included) and fields: no more than hyper takes (its `CHUNKED_EXTENSIONS_LIMIT`,
+/// `TRAILER_LIMIT` and 100 fields, each refused from the limit on), so the fast codec never
+/// forwards a body the general path, or a hyper upstream, refuses. Differential fuzzing found
+/// the trailer count missing (fuzz/regressions/differential_framing/).
+const MAX_EXT_TOTAL: u32 = 16 * 1024;
 const MAX_TRAILERS: u32 = 16 * 1024;
+const MAX_TRAILER_FIELDS: u8 = 100;
 
 /// Tracks a chunked body (RFC 9112 §7.1) through any split of its bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +69,10 @@ pub(crate) struct Chunked {
     digits: u8,
     /// Extension bytes on this size line; trailer bytes so far.
     extra: u32,
+    /// Extension bytes in the body so far.
+    ext_total: u32,
+    /// Trailer fields so far.
+    trailers: u8,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +112,8 @@ impl Chunked {
             n: 0,
             digits: 0,
             extra: 0,
+            ext_total: 0,
+            trailers: 0,
         }
     }
 
@@ -148,7 +161,8 @@ impl Chunked {
                 (State::Ext, b'\r') => State::SizeLf,
                 (State::Ext, _) if (b >= 0x20 && b != 0x7f) || b == b'\t' => {
                     self.extra += 1;
-                    if self.extra > MAX_EXT {
+                    self.ext_total += 1;
+                    if self.extra > MAX_EXT || self.ext_total >= MAX_EXT_TOTAL {
                         return Err(BadChunk);
                     }
                     State::Ext
@@ -161,27 +175,38 @@ impl Chunked {
                 (State::SizeLf, b'\n') => State::Data,
                 (State::DataCr, b'\r') => State::DataLf,
                 (State::DataLf, b'\n') => State::SizeStart,
-                (State::TrailerStart, b'\r') => State::EndLf,
+                (State::TrailerStart, b'\r') => {
+                    self.trailer_byte()?;
+                    State::EndLf
+                }
                 // A trailer is a field line (`name: value`), as hyper's parser requires: one
                 // that is not would reach the upstream for it to make sense of.
                 (State::TrailerStart | State::TrailerName, _) if is_tchar(b) => {
-                    self.extra += 1;
-                    if self.extra > MAX_TRAILERS {
-                        return Err(BadChunk);
-                    }
+                    self.trailer_byte()?;
                     State::TrailerName
                 }
-                (State::TrailerName, b':') => State::Trailer,
-                (State::Trailer, b'\r') => State::TrailerLf,
-                (State::Trailer, _) if (b >= 0x20 && b != 0x7f) || b == b'\t' => {
-                    self.extra += 1;
-                    if self.extra > MAX_TRAILERS {
-                        return Err(BadChunk);
-                    }
+                (State::TrailerName, b':') => {
+                    self.trailer_byte()?;
                     State::Trailer
                 }
-                (State::TrailerLf, b'\n') => State::TrailerStart,
+                (State::Trailer, b'\r') => {
+                    self.trailer_byte()?;
+                    State::TrailerLf
+                }
+                (State::Trailer, _) if (b >= 0x20 && b != 0x7f) || b == b'\t' => {
+                    self.trailer_byte()?;
+                    State::Trailer
+                }
+                (State::TrailerLf, b'\n') => {
+                    self.trailer_byte()?;
+                    self.trailers += 1;
+                    if self.trailers > MAX_TRAILER_FIELDS {
+                        return Err(BadChunk);
+                    }
+                    State::TrailerStart
+                }
                 (State::EndLf, b'\n') => {
+                    self.trailer_byte()?;
                     self.state = State::Done;
                     return Ok(i);
                 }
@@ -190,6 +215,15 @@ impl Chunked {
             };
         }
         Ok(i)
+    }
+
+    /// One more byte of the trailer section, within its bound.
+    fn trailer_byte(&mut self) -> Result<(), BadChunk> {
+        self.extra += 1;
+        if self.extra >= MAX_TRAILERS {
+            return Err(BadChunk);
+        }
+        Ok(())
     }
 }
 
@@ -368,5 +402,38 @@ mod tests {
         }
         let good = b"0\r\nX-Sum: 1\t2\r\nEmpty:\r\n\r\n";
         assert_eq!(Chunked::new().scan(good), Ok(good.len()));
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_framing/): hyper refuses
+    /// a trailer section of more than 100 fields or 16 KiB (line ends included), and a body
+    /// with 16 KiB of extensions in all; the scanner took them and passed them on.
+    #[test]
+    fn no_more_trailers_or_extensions_than_hyper_takes() {
+        let trailers = |n: usize, value: usize| {
+            let mut t = b"0\r\n".to_vec();
+            for i in 0..n {
+                t.extend_from_slice(format!("t{i:03}:{}\r\n", "v".repeat(value)).as_bytes());
+            }
+            t.extend_from_slice(b"\r\n");
+            t
+        };
+        let at_most = trailers(100, 1);
+        assert_eq!(Chunked::new().scan(&at_most), Ok(at_most.len()));
+        assert_eq!(Chunked::new().scan(&trailers(101, 1)), Err(BadChunk));
+        // 50 lines of 327 bytes and the final CRLF: 16352 bytes; 2 more per line: 16452.
+        let bytes = trailers(50, 320);
+        assert_eq!(Chunked::new().scan(&bytes), Ok(bytes.len()));
+        assert_eq!(Chunked::new().scan(&trailers(50, 322)), Err(BadChunk));
+        let extensions = |n: usize| {
+            let mut b = Vec::new();
+            for _ in 0..n {
+                b.extend_from_slice(format!("1;{}\r\nx\r\n", "e".repeat(4000)).as_bytes());
+            }
+            b.extend_from_slice(b"0\r\n\r\n");
+            b
+        };
+        let four = extensions(4);
+        assert_eq!(Chunked::new().scan(&four), Ok(four.len()));
+        assert_eq!(Chunked::new().scan(&extensions(5)), Err(BadChunk));
     }
 }

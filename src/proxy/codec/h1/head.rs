@@ -272,8 +272,18 @@ fn parse_response_in<'b>(
     let (Some(status), Some(version)) = (resp.code, resp.version) else {
         return Ok(ParsedResponse::Invalid);
     };
+    // httparse takes any three digits; a status is 100 to 999 (RFC 9110 §15, and what hyper's
+    // client takes): `002` would go to the client as `HTTP/1.1 2`.
+    if !(100..=999).contains(&status) {
+        return Ok(ParsedResponse::Invalid);
+    }
     let at = offsets(buf);
-    let reason = resp.reason.map_or(0..0, |r| at(r.as_bytes()));
+    // An empty reason may be httparse's own `""` (a missing reason, or one with obs-text),
+    // which is not in `buf`: only a reason with bytes is an offset.
+    let reason = resp
+        .reason
+        .filter(|r| !r.is_empty())
+        .map_or(0..0, |r| at(r.as_bytes()));
     fields.clear();
     let mut length: Option<u64> = None;
     let mut te: Option<Range<usize>> = None;
@@ -497,5 +507,32 @@ mod tests {
             ),
             ParsedResponse::Invalid
         ));
+    }
+
+    /// Found by fuzzing (fuzz/regressions/response_head/): a reason with obs-text, or none,
+    /// is httparse's static `""`, whose offset in the buffer overflowed.
+    #[test]
+    fn a_reason_httparse_drops_is_an_empty_range() {
+        for text in [
+            &b"HTTP/1.1 200 \xff\xff\xff\xffContent-Length: 3\r\n\r\n"[..],
+            b"HTTP/1.1 200 \xffok\r\nContent-Length: 3\r\n\r\n",
+            b"HTTP/1.1 200\r\nContent-Length: 3\r\n\r\n",
+        ] {
+            let ParsedResponse::Complete(r) = parse_response(text, false, &mut Vec::new()) else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.reason, 0..0, "{text:?}");
+        }
+    }
+
+    /// Found by fuzzing (fuzz/regressions/response_head/status-below-100): a status of `002`.
+    #[test]
+    fn a_status_below_100_is_invalid() {
+        for text in [&b"HTTP/1.1 002 OK\r\n\r\n"[..], b"HTTP/1.1 099 X\r\n\r\n"] {
+            assert!(matches!(
+                parse_response(text, false, &mut Vec::new()),
+                ParsedResponse::Invalid
+            ));
+        }
     }
 }
