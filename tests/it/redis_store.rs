@@ -248,6 +248,12 @@ async fn the_library_loads_at_connect_next_to_other_versions() {
     })
     .await;
     assert!(loaded.is_some(), "{name} not loaded at connect");
+    // Both instances try at connect, each in a task of its own: wait for the second try too.
+    wait_for(Duration::from_secs(5), || {
+        let stats = server.cli(&["info", "commandstats"]);
+        command_calls(&stats, "function|load").0 >= 3
+    })
+    .await;
     let stats = server.cli(&["info", "commandstats"]);
     // The test's own load, then this version's: loaded by one instance, found there by the
     // other (a failed call, which compiled nothing).
