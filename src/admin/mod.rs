@@ -209,14 +209,14 @@ async fn limit_state(
     };
     let (s, store) = shared.peek(l, &crate::key::from_admin(key)).await;
     Json(json!({
-            "store": store,
-            "route": route,
-            "limit": limit,
-            "key": key,
-            "scope": l.scope,
-            "algorithm": l.config.algorithm,
-            "limit_count": l.config.rate.count,
-            "remaining": s.remaining,
+        "store": store,
+        "route": route,
+        "limit": limit,
+        "key": key,
+        "scope": l.scope,
+        "algorithm": l.config.algorithm,
+        "limit_count": l.config.rate.count,
+        "remaining": s.remaining,
         "reset_after_ms": s.reset_after.div_ceil(1000),
     }))
     .into_response()
