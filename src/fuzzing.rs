@@ -43,10 +43,10 @@ use crate::key::{KeyBuf, KeyOutcome, KeySpec, MAX_PART_LEN, RequestParts};
 use crate::proxy::codec::h1::framing::{Chunked, Framing};
 use crate::proxy::codec::h1::head::{
     FAST_MAX_HEAD, Field, MAX_RESPONSE_HEAD, ParsedRequest, ParsedResponse, RequestHead,
-    parse_request, parse_response, push_field,
+    parse_request, parse_response,
 };
 use crate::proxy::fields::{Name, classify};
-use crate::proxy::forwarding::{self, HeadView, HeadWriter, RequestRule};
+use crate::proxy::forwarding::RequestRule;
 use crate::proxy::headers::{underscore_lookalike, valid_host};
 use crate::routing::{normalize_path, path_problem};
 
@@ -798,9 +798,8 @@ fn taken_request(
     }
 }
 
-/// The upstream request head, as `h1::dispatch`'s `write_upstream_head` writes it (a route
-/// with `preserve_host`, an upstream without a base path, a peer that is not trusted): the
-/// request line, the rule's fields through the codec's line writer, then its framing.
+/// The upstream request head, written by the codec's own writer (`h1::upstream_head`) for a
+/// route with `preserve_host`, an upstream without a base path, a peer that is not trusted.
 fn write_upstream_head(
     out: &mut Vec<u8>,
     buf: &[u8],
@@ -809,10 +808,6 @@ fn write_upstream_head(
     target: &str,
     host: &[u8],
 ) {
-    out.extend_from_slice(head.method.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(target.as_bytes());
-    out.extend_from_slice(b" HTTP/1.1\r\n");
     let own_id = match &head.request_id {
         Some(r) if crate::proxy::request_id::sane(&buf[r.clone()]) => None,
         _ => Some(OUR_ID),
@@ -826,71 +821,7 @@ fn write_upstream_head(
         own_request_id: own_id,
         upgrade: false,
     };
-    let view = View { buf, fields, head };
-    forwarding::upstream_request(&view, &rule, &mut Lines { out });
-    if matches!(head.framing, Framing::Chunked(_)) {
-        push_field(out, b"transfer-encoding", b"chunked");
-    }
-    out.extend_from_slice(b"\r\n");
-}
-
-/// The codec's view of its parsed fields (`h1::write::FieldsView`).
-struct View<'a> {
-    buf: &'a [u8],
-    fields: &'a [Field],
-    head: &'a RequestHead,
-}
-
-impl HeadView for View<'_> {
-    type Handle = Field;
-
-    fn each<'a>(&'a self, mut f: impl FnMut(&'a Field, Name, &'a [u8], &'a [u8])) {
-        for field in self.fields {
-            f(
-                field,
-                field.kind,
-                &self.buf[field.name.clone()],
-                &self.buf[field.value.clone()],
-            );
-        }
-    }
-
-    fn named_by_connection(&self, name: &[u8]) -> bool {
-        !self.head.connection.named.is_empty() && self.head.connection.names(self.buf, name)
-    }
-}
-
-/// The codec's line writer for a request (`h1::write::LineWriter` with `pass_length`).
-struct Lines<'a> {
-    out: &'a mut Vec<u8>,
-}
-
-impl HeadWriter<Field> for Lines<'_> {
-    fn pass(&mut self, _: &Field, _: Name, name: &[u8], value: &[u8]) {
-        push_field(self.out, name, value);
-    }
-
-    fn drop_field(&mut self, _: &Field) {}
-
-    fn framing(&mut self, _: &Field, kind: Name, value: &[u8]) {
-        if kind == Name::ContentLength {
-            push_field(self.out, b"content-length", value);
-        }
-    }
-
-    fn add(&mut self, name: &'static HeaderName, value: &[u8]) {
-        push_field(self.out, name.as_str().as_bytes(), value);
-    }
-
-    fn add_list(&mut self, name: &'static HeaderName, parts: &[&[u8]]) {
-        push_field(self.out, name.as_str().as_bytes(), &parts.join(&b", "[..]));
-    }
-
-    fn add_with(&mut self, name: &'static HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
-        let mut v = Vec::new();
-        write(&mut v);
-        push_field(self.out, name.as_str().as_bytes(), &v);
-    }
+    crate::proxy::codec::h1::upstream_head(out, head, buf, fields, ("", target), &rule);
 }
 
 #[derive(Clone, Copy)]

@@ -11,7 +11,7 @@ use super::client::exchange;
 use super::framing::Framing;
 use super::head::{self, Field, RequestHead, ResponseHead};
 use super::relay::{Pump, relay, relay_duplex};
-use super::write::{FieldsView, LineWriter, push_body, push_date};
+use super::write::{FieldsView, LineWriter, push_body, push_date, upstream_head};
 use super::{ClientIo, Conn, Failure, RequestId, Step, WAIT_READ_MAX};
 use crate::key::{RequestParts, client_ip};
 use crate::limit::HeaderInfo;
@@ -279,13 +279,6 @@ impl<S: ClientIo> Conn<S> {
         rid: &RequestId,
         trusted: bool,
     ) {
-        let out = &mut self.out;
-        out.clear();
-        out.extend_from_slice(head.method.as_str().as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(upstream.base_path.as_bytes());
-        out.extend_from_slice(uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
-        out.extend_from_slice(b" HTTP/1.1\r\n");
         let client_host = head.host.clone().map(|r| &bytes[r]);
         let rule = RequestRule {
             trusted,
@@ -302,21 +295,11 @@ impl<S: ClientIo> Conn<S> {
             },
             upgrade: false,
         };
-        let view = FieldsView {
-            bytes,
-            fields: &self.fields,
-            connection: &head.connection,
-        };
-        let mut w = LineWriter {
-            out,
-            pass_length: true,
-            dated: false,
-        };
-        forwarding::upstream_request(&view, &rule, &mut w);
-        if matches!(head.framing, Framing::Chunked(_)) {
-            head::push_field(out, b"transfer-encoding", b"chunked");
-        }
-        out.extend_from_slice(b"\r\n");
+        let target = (
+            upstream.base_path.as_str(),
+            uri.path_and_query().map_or("/", |p| p.as_str()),
+        );
+        upstream_head(&mut self.out, head, bytes, &self.fields, target, &rule);
     }
 
     /// The response head for the client, under the pipeline's response rule; the framing is

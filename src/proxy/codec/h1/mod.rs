@@ -30,6 +30,7 @@ mod rewind;
 mod tests;
 pub(crate) mod timer;
 mod write;
+pub(crate) use write::upstream_head;
 
 use std::io;
 use std::net::SocketAddr;
