@@ -379,6 +379,7 @@ pub fn keys(data: &[u8]) {
         client_ip: client,
         client_ip_text: None,
         route: "r",
+        peer_trusted: false,
     };
     let x_user = HeaderName::from_static("x-user");
     let spec = KeySpec {

@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 
 use super::rate::DurationText;
 use super::types::{
-    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, PathMatch,
-    RedisTarget, RouteConfig, Scope, redact_url,
+    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, OverrideRate,
+    PathMatch, RedisTarget, RouteConfig, Scope, redact_url,
 };
 
 /// What `tollgate check` prints for `cfg`: listeners, Redis (credentials redacted), and each
@@ -94,6 +94,39 @@ pub fn summary(cfg: &Config) -> String {
             );
         }
     }
+    if !cfg.plans.is_empty() {
+        let plans: Vec<String> = cfg
+            .plans
+            .iter()
+            .map(|p| match p.burst {
+                Some(b) => format!("{} {} burst {b}", p.name, p.rate),
+                None => format!("{} {}", p.name, p.rate),
+            })
+            .collect();
+        let _ = writeln!(out, "plans    {}", plans.join(", "));
+    }
+    if !cfg.limits.is_empty() {
+        let _ = writeln!(
+            out,
+            "shared   {} limit{} (one budget per key across the routes that use them)",
+            cfg.limits.len(),
+            if cfg.limits.len() == 1 { "" } else { "s" }
+        );
+        for limit in &cfg.limits {
+            let users: Vec<&str> = cfg
+                .routes
+                .iter()
+                .filter(|r| r.limits.iter().any(|l| l.shared && l.name == limit.name))
+                .map(|r| r.name.as_str())
+                .collect();
+            let used = if users.is_empty() {
+                "used by no route".to_owned()
+            } else {
+                format!("used by {}", users.join(", "))
+            };
+            write_limit(&mut out, limit, Some(&used));
+        }
+    }
     if cfg.routes.is_empty() {
         let _ = writeln!(out, "routes   none: every request gets 404");
     } else {
@@ -168,11 +201,20 @@ fn write_route(out: &mut String, route: &RouteConfig) {
         let _ = writeln!(out, "  no limits");
     }
     for limit in &route.limits {
-        write_limit(out, limit);
+        if limit.shared {
+            let _ = writeln!(
+                out,
+                "  limit {}: shared (top-level limits; one budget per key with every route that uses it)",
+                limit.name
+            );
+        } else {
+            write_limit(out, limit, None);
+        }
     }
 }
 
-fn write_limit(out: &mut String, l: &LimitConfig) {
+/// One limit's lines; `used` says which routes draw on a shared one.
+fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
     let mut algo = format!("{} {}", l.algorithm, l.rate);
     if l.algorithm == AlgorithmKind::Gcra {
         let _ = write!(algo, " burst {}", l.burst);
@@ -210,6 +252,64 @@ fn write_limit(out: &mut String, l: &LimitConfig) {
         },
     );
     let _ = writeln!(out, "    {}", admission_bound(l));
+    if let Some(used) = used {
+        let _ = writeln!(out, "    {used}");
+    }
+    for o in &l.overrides {
+        let mut when = Vec::new();
+        if !o.when.ip.is_empty() {
+            when.push(format!("ip in {}", join(&o.when.ip, ", ")));
+        }
+        if !o.when.key.is_empty() {
+            when.push(format!("key {}", o.when.key.join(" or ")));
+        }
+        for (name, value) in &o.when.header {
+            when.push(format!("{name}: {value} (from trusted proxies only)"));
+        }
+        let _ = writeln!(
+            out,
+            "    override when {}: {}",
+            when.join(" and "),
+            override_rate(&o.then, l)
+        );
+    }
+    if let Some(f) = &l.overrides_file {
+        let names: Vec<String> = f
+            .plans
+            .iter()
+            .flatten()
+            .map(|p| override_rate(p, l))
+            .collect();
+        let _ = writeln!(
+            out,
+            "    overrides file {}: {} keys{}; consulted after the overrides, reloaded when it changes",
+            f.path.display(),
+            f.table.len(),
+            if names.is_empty() {
+                String::new()
+            } else {
+                format!("; plans {}", names.join(", "))
+            },
+        );
+    }
+}
+
+/// What an override gives, in words.
+fn override_rate(then: &OverrideRate, l: &LimitConfig) -> String {
+    match then {
+        OverrideRate::Exempt => "exempt (not counted)".to_owned(),
+        OverrideRate::Rate { plan, rate, burst } => {
+            let quota = if l.algorithm == AlgorithmKind::Gcra {
+                format!("{rate} burst {burst}")
+            } else {
+                rate.to_string()
+            };
+            match plan {
+                Some(p) => format!("plan {p} ({quota})"),
+                None => format!("rate {quota}"),
+            }
+        }
+    }
 }
 
 /// The spec's upper bound on admissions in any interval of one period, per key.

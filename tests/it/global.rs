@@ -730,11 +730,14 @@ async fn delete_resets_a_global_key_in_redis_and_in_process() {
     // a full key changes nothing else).
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut resend = Instant::now() + Duration::from_millis(500);
-    while g2.shared.gateway.snapshot.load().routes[0].limits.limits[0]
-        .deny_cache
-        .check(b"ann", g2.shared.gateway.clock.now(), 0)
-        .is_some()
-    {
+    let held = || {
+        let rt = g2.shared.gateway.snapshot.load();
+        let l = &rt.routes[0].limits.limits[0];
+        l.deny_cache
+            .check(b"ann", g2.shared.gateway.clock.now(), 0, l.rate(0).id)
+            .is_some()
+    };
+    while held() {
         assert!(Instant::now() < deadline, "g2 never heard of the reset");
         if Instant::now() > resend {
             delete(&g1, Some("s3cret")).await;

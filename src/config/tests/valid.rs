@@ -70,6 +70,9 @@ fn spec_limit() -> LimitConfig {
         shadow: false,
         consistency: Consistency::Strict,
         sync_interval: Duration::from_millis(100),
+        overrides: Vec::new(),
+        overrides_file: None,
+        shared: false,
     }
 }
 
@@ -77,6 +80,8 @@ fn spec_limit() -> LimitConfig {
 fn spec_example_parses_to_what_it_says() {
     let cfg = ok(SPEC_EXAMPLE);
     let expected = Config {
+        plans: Vec::new(),
+        limits: Vec::new(),
         server: ServerConfig {
             trusted_proxies: vec!["10.0.0.0/8".parse().unwrap()],
             ..ServerConfig::default()
@@ -215,6 +220,9 @@ fn defaults_are_applied() {
                 shadow: false,
                 consistency: Consistency::Strict,
                 sync_interval: Duration::from_millis(100),
+                overrides: Vec::new(),
+                overrides_file: None,
+                shared: false,
             }],
             rejection: None,
         }
@@ -248,6 +256,9 @@ fn defaults_are_applied() {
             shadow: true,
             consistency: Consistency::Strict,
             sync_interval: Duration::from_millis(100),
+            overrides: Vec::new(),
+            overrides_file: None,
+            shared: false,
         }
     );
     assert_eq!(prefix.matcher.path, PathMatch::Prefix("/static".into()));

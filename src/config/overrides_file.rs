@@ -1,0 +1,419 @@
+//! `overrides_file`: a YAML map `KEY: PLAN` / `KEY: exempt` for many consumers at once.
+//!
+//! Built for a million entries and more (a customer table exported nightly), so it is neither a
+//! `HashMap<String, String>` nor parsed into one first: the keys go into one byte arena as they
+//! are read, indexed by a SwissTable (`hashbrown::HashTable`) of 8-byte slots, and each value is
+//! a 16-bit code (exempt, or a plan). A lookup on the request path hashes the key once and
+//! compares bytes in the arena: no allocation, no pointer per entry. Keys are stored as the
+//! gateway writes keys ([`crate::keytext::from_admin`], as `/admin/limits` takes them), so the
+//! file names a consumer the way the admin API and `when.key` do.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::BuildHasher;
+use std::path::Path;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde_saphyr::{Location, Spanned};
+
+use super::types::Plan;
+use super::{Invalid, Pos};
+
+/// More entries than this are refused: the table's slots address the arena with 32 bits, and
+/// an operator with more consumers than this wants a store, not a file.
+pub(super) const MAX_ENTRIES: usize = 50_000_000;
+
+/// The word that exempts a key instead of naming a plan.
+const EXEMPT: &str = "exempt";
+
+/// What the file gives one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableEntry {
+    /// The limit does not count this key's requests.
+    Exempt,
+    /// This plan's rate (an index into the config's `plans`).
+    Plan(usize),
+}
+
+/// Where a key sits in the arena and what it gets: 8 bytes a slot.
+#[derive(Clone, Copy)]
+struct Slot {
+    start: u32,
+    len: u16,
+    /// 0: exempt; `n`: plan `n - 1`.
+    code: u16,
+}
+
+/// The entries of one overrides file (see the module).
+pub struct OverridesTable {
+    arena: Vec<u8>,
+    index: hashbrown::HashTable<Slot>,
+    hasher: foldhash::fast::RandomState,
+    /// A hash of the file's bytes: two loads of the same file compare equal without comparing
+    /// a million entries.
+    fingerprint: u64,
+}
+
+impl fmt::Debug for OverridesTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OverridesTable")
+            .field("entries", &self.len())
+            .field("fingerprint", &self.fingerprint)
+            .finish()
+    }
+}
+
+impl OverridesTable {
+    /// What the file gives `key` (in stored form), if it names it.
+    #[inline]
+    pub fn get(&self, key: &[u8]) -> Option<TableEntry> {
+        let hash = self.hasher.hash_one(key);
+        let slot = self.index.find(hash, |s| self.key_of(*s) == key)?;
+        Some(match slot.code {
+            0 => TableEntry::Exempt,
+            n => TableEntry::Plan(usize::from(n) - 1),
+        })
+    }
+
+    /// Entries in the file.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether the file has no entry.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// A hash of the bytes the table was read from.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Bytes the table holds on the heap (arena and index), for sizing and the docs' figures.
+    pub fn heap_bytes(&self) -> usize {
+        // A SwissTable holds one control byte beside each slot (and a group's worth more).
+        self.arena.capacity() + self.index.capacity() * (std::mem::size_of::<Slot>() + 1)
+    }
+
+    /// How many entries give each plan (indexed like the config's `plans`), and how many exempt.
+    pub fn counts(&self, plans: usize) -> (Vec<usize>, usize) {
+        let mut per_plan = vec![0; plans];
+        let mut exempt = 0;
+        for s in &self.index {
+            match s.code {
+                0 => exempt += 1,
+                n => {
+                    if let Some(c) = per_plan.get_mut(usize::from(n) - 1) {
+                        *c += 1;
+                    }
+                }
+            }
+        }
+        (per_plan, exempt)
+    }
+
+    fn key_of(&self, s: Slot) -> &[u8] {
+        let start = s.start as usize;
+        &self.arena[start..start + usize::from(s.len)]
+    }
+}
+
+/// Reads the overrides file at `path`; its plans are looked up in `plans`. A refusal carries
+/// the file's own path, line and column.
+pub(super) fn load(path: &Path, plans: &[Plan]) -> Result<OverridesTable, Invalid> {
+    let top = Pos { line: 1, column: 1 };
+    let bytes = std::fs::read(path).map_err(|e| {
+        Invalid::new(top, format!("cannot read the overrides file: {e}")).in_other_file(path)
+    })?;
+    let fingerprint = foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).hash_one(&bytes);
+    let text = super::utf8(bytes).map_err(|e| e.in_other_file(path))?;
+    parse(&text, plans, fingerprint).map_err(|e| e.in_other_file(path))
+}
+
+/// [`load`] on text already read.
+fn parse(text: &str, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable, Invalid> {
+    if super::is_empty(text) {
+        // An empty file is an empty table (every consumer back on the limit's rate), which an
+        // operator may well mean; `{}` says so without doubt, but both load.
+        return Ok(empty(fingerprint));
+    }
+    // The parser's default budget is sized for a config (a million events); a table of
+    // MAX_ENTRIES takes two scalars an entry.
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_events = 4 * MAX_ENTRIES + 16;
+    budget.max_nodes = 2 * MAX_ENTRIES + 16;
+    budget.max_total_scalar_bytes = usize::MAX;
+    budget.max_reader_input_bytes = None;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    let raw: Option<RawTable> =
+        serde_saphyr::from_str_with_options(text, options).map_err(|e| {
+            let at = e.location().map_or(Pos { line: 1, column: 1 }, Pos::of);
+            Invalid::new(at, super::raw::plain_message(&e))
+        })?;
+    let Some(raw) = raw else {
+        return Ok(empty(fingerprint));
+    };
+    if let Some((at, message)) = raw.problem {
+        return Err(Invalid::new(Pos::of(at), message));
+    }
+    // Each name the file used, to its code: 0 for `exempt`, a plan's index + 1.
+    let mut codes = Vec::with_capacity(raw.names.len());
+    for (name, at) in &raw.names {
+        if name == EXEMPT {
+            codes.push(0);
+            continue;
+        }
+        match plans.iter().position(|p| &p.name == name) {
+            // `plans` is a YAML map, far below 2^16 names in any file that loads.
+            Some(i) => codes.push(u16::try_from(i + 1).unwrap_or(u16::MAX)),
+            None => {
+                let known = if plans.is_empty() {
+                    "the config has no `plans:`".to_owned()
+                } else {
+                    format!(
+                        "plans: {}",
+                        plans
+                            .iter()
+                            .map(|p| p.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                };
+                return Err(Invalid::new(
+                    Pos::of(*at),
+                    format!(
+                        "`{name}` is not a plan ({known}); a value is a plan's name or `exempt`"
+                    ),
+                ));
+            }
+        }
+    }
+    let mut index = raw.index;
+    for slot in index.iter_mut() {
+        slot.code = codes[usize::from(slot.code)];
+    }
+    Ok(OverridesTable {
+        arena: raw.arena,
+        index,
+        hasher: raw.hasher,
+        fingerprint,
+    })
+}
+
+fn empty(fingerprint: u64) -> OverridesTable {
+    OverridesTable {
+        arena: Vec::new(),
+        index: hashbrown::HashTable::new(),
+        hasher: foldhash::fast::RandomState::default(),
+        fingerprint,
+    }
+}
+
+/// The table as read, values still as the file's names (`code` indexes `names`).
+struct RawTable {
+    arena: Vec<u8>,
+    index: hashbrown::HashTable<Slot>,
+    hasher: foldhash::fast::RandomState,
+    /// Each distinct value, where it was first used.
+    names: Vec<(String, Location)>,
+    /// The first entry refused, where and why. Kept rather than returned as a serde error, which
+    /// the parser would place at the start of the map instead of at the entry.
+    problem: Option<(Location, String)>,
+}
+
+impl RawTable {
+    /// Adds one entry; `Err` says why it cannot be.
+    fn insert(
+        &mut self,
+        key: &str,
+        value: &Spanned<String>,
+        name_codes: &mut HashMap<String, u16>,
+    ) -> Result<(), String> {
+        if self.index.len() >= MAX_ENTRIES {
+            return Err(format!(
+                "more than {MAX_ENTRIES} entries: keep a file under that"
+            ));
+        }
+        let stored = crate::keytext::from_admin(key);
+        let (Ok(len), Ok(start)) = (u16::try_from(stored.len()), u32::try_from(self.arena.len()))
+        else {
+            return Err(
+                "the file is too large: keys must stay under 64 KiB each and 4 GiB in all".into(),
+            );
+        };
+        if stored.is_empty() {
+            return Err("an empty key names no consumer".into());
+        }
+        let code = match name_codes.get(&value.value) {
+            Some(c) => *c,
+            None => {
+                let c = u16::try_from(self.names.len())
+                    .map_err(|_| "more than 65535 different plan names".to_owned())?;
+                name_codes.insert(value.value.clone(), c);
+                self.names.push((value.value.clone(), value.referenced));
+                c
+            }
+        };
+        let hash = self.hasher.hash_one(&stored[..]);
+        let arena = &self.arena;
+        let key_of = |s: &Slot| {
+            let b = s.start as usize;
+            &arena[b..b + usize::from(s.len)]
+        };
+        if self
+            .index
+            .find(hash, |s| key_of(s) == &stored[..])
+            .is_some()
+        {
+            return Err(format!(
+                "`{key}` is listed twice (as the gateway stores keys, `{}`): keep one entry",
+                String::from_utf8_lossy(&stored)
+            ));
+        }
+        self.arena.extend_from_slice(&stored);
+        let (hasher, arena) = (&self.hasher, &self.arena);
+        self.index
+            .insert_unique(hash, Slot { start, len, code }, |s| {
+                let b = s.start as usize;
+                hasher.hash_one(&arena[b..b + usize::from(s.len)])
+            });
+        Ok(())
+    }
+}
+
+impl<'de> de::Deserialize<'de> for RawTable {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(TableVisitor)
+    }
+}
+
+struct TableVisitor;
+
+impl<'de> Visitor<'de> for TableVisitor {
+    type Value = RawTable;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a mapping of keys to a plan's name or `exempt` (`KEY: PLAN` lines)")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTable, A::Error> {
+        let mut t = RawTable {
+            arena: Vec::new(),
+            index: hashbrown::HashTable::with_capacity(map.size_hint().unwrap_or(0)),
+            hasher: foldhash::fast::RandomState::default(),
+            names: Vec::new(),
+            problem: None,
+        };
+        let mut name_codes: HashMap<String, u16> = HashMap::new();
+        while let Some(key) = map.next_key::<Spanned<String>>()? {
+            let value: Spanned<String> = map.next_value()?;
+            if t.problem.is_some() {
+                continue;
+            }
+            if let Err(why) = t.insert(&key.value, &value, &mut name_codes) {
+                t.problem = Some((key.referenced, why));
+            }
+        }
+        t.arena.shrink_to_fit();
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Rate;
+    use std::time::Duration;
+
+    fn plans() -> Vec<Plan> {
+        ["free", "pro"]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Plan {
+                name: (*n).to_owned(),
+                rate: Rate {
+                    count: 10 * (i as u64 + 1),
+                    period: Duration::from_secs(60),
+                },
+                burst: None,
+            })
+            .collect()
+    }
+
+    fn table(text: &str) -> Result<OverridesTable, Invalid> {
+        parse(text, &plans(), 0)
+    }
+
+    #[test]
+    fn entries_give_their_plan_or_exempt() {
+        let t = table("acme: pro\nbeta: free\n\"partner key\": exempt\n'12345': pro\n").unwrap();
+        assert_eq!(t.len(), 4);
+        assert_eq!(t.get(b"acme"), Some(TableEntry::Plan(1)));
+        assert_eq!(t.get(b"beta"), Some(TableEntry::Plan(0)));
+        // Stored as the gateway writes keys: the space escaped.
+        assert_eq!(t.get(b"partner%20key"), Some(TableEntry::Exempt));
+        assert_eq!(t.get(b"12345"), Some(TableEntry::Plan(1)));
+        assert_eq!(t.get(b"nobody"), None);
+        assert_eq!(t.counts(2), (vec![1, 2], 1));
+    }
+
+    #[test]
+    fn an_empty_file_or_map_is_an_empty_table() {
+        for text in ["", "# nobody yet\n", "{}\n"] {
+            assert!(table(text).unwrap().is_empty(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn refusals_point_at_the_line() {
+        let e = table("acme: pro\nbeta: gold\n").unwrap_err();
+        assert_eq!((e.at.line, e.at.column), (2, 7), "{}", e.message);
+        assert!(e.message.contains("`gold` is not a plan"), "{}", e.message);
+        let e = table("acme: pro\nacme: free\n").unwrap_err();
+        assert_eq!(e.at.line, 2, "{}", e.message);
+        let e = table("- acme\n").unwrap_err();
+        assert_eq!(e.at.line, 1, "{}", e.message);
+        let e = table("acme: [pro]\n").unwrap_err();
+        assert_eq!(e.at.line, 1, "{}", e.message);
+    }
+
+    #[test]
+    fn two_spellings_of_one_stored_key_are_a_duplicate() {
+        let e = table("\"a b\": pro\n\"a%20b\": free\n").unwrap_err();
+        assert!(e.message.contains("listed twice"), "{}", e.message);
+        assert_eq!(e.at.line, 2);
+    }
+
+    #[test]
+    fn a_long_key_is_stored_hashed_as_a_request_would_be() {
+        let long = "k".repeat(100);
+        let t = table(&format!("{long}: pro\n")).unwrap();
+        assert_eq!(
+            t.get(&crate::keytext::from_admin(&long)),
+            Some(TableEntry::Plan(1))
+        );
+    }
+
+    #[test]
+    fn many_entries_load_and_are_all_found() {
+        let mut text = String::new();
+        for i in 0..20_000 {
+            text.push_str(&format!(
+                "key-{i}: {}\n",
+                if i % 2 == 0 { "pro" } else { "exempt" }
+            ));
+        }
+        let t = table(&text).unwrap();
+        assert_eq!(t.len(), 20_000);
+        for i in (0..20_000).step_by(997) {
+            let want = if i % 2 == 0 {
+                TableEntry::Plan(1)
+            } else {
+                TableEntry::Exempt
+            };
+            assert_eq!(t.get(format!("key-{i}").as_bytes()), Some(want));
+        }
+    }
+}
