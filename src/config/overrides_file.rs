@@ -14,7 +14,7 @@ use std::hash::BuildHasher;
 use std::path::Path;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
-use serde_saphyr::{Location, Spanned};
+use serde_saphyr::Spanned;
 
 use super::types::Plan;
 use super::{Invalid, Pos};
@@ -138,6 +138,14 @@ fn parse(text: &str, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable,
         // operator may well mean; `{}` says so without doubt, but both load.
         return Ok(empty(fingerprint));
     }
+    match plain_lines(text) {
+        Some(raw) => table(raw, plans, fingerprint),
+        None => parse_yaml(text, plans, fingerprint),
+    }
+}
+
+/// [`parse`] by the YAML parser, whatever the file's form.
+fn parse_yaml(text: &str, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable, Invalid> {
     // The parser's default budget is sized for a config (a million events); a table of
     // MAX_ENTRIES takes two scalars an entry.
     let mut budget = serde_saphyr::Budget::default();
@@ -155,8 +163,13 @@ fn parse(text: &str, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable,
     let Some(raw) = raw else {
         return Ok(empty(fingerprint));
     };
+    table(raw, plans, fingerprint)
+}
+
+/// The table from what was read: the names checked against `plans`, then coded.
+fn table(raw: RawTable, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable, Invalid> {
     if let Some((at, message)) = raw.problem {
-        return Err(Invalid::new(Pos::of(at), message));
+        return Err(Invalid::new(at, message));
     }
     // Each name the file used, to its code: 0 for `exempt`, a plan's index + 1.
     let mut codes = Vec::with_capacity(raw.names.len());
@@ -182,7 +195,7 @@ fn parse(text: &str, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable,
                     )
                 };
                 return Err(Invalid::new(
-                    Pos::of(*at),
+                    *at,
                     format!(
                         "`{name}` is not a plan ({known}); a value is a plan's name or `exempt`"
                     ),
@@ -202,6 +215,83 @@ fn parse(text: &str, plans: &[Plan], fingerprint: u64) -> Result<OverridesTable,
     })
 }
 
+/// The file read line by line, when every line is in the plain form an export writes:
+/// `KEY: PLAN` with a key of letters, digits and `_ . / + = -` (starting with a letter, a digit
+/// or `_`; not one YAML reads as a number in another spelling, such as `0x1F`), a plan's name, an optional ` # comment`; blank and comment lines. YAML reads such
+/// a line as that string key and that string value, so this gives the table the YAML parser
+/// would (a unit test holds the two to it), about ten times faster and without its memory for
+/// a million entries. Any other line (quotes, flow style, anchors, a key YAML reads as null):
+/// `None`, and the whole file goes to the YAML parser.
+fn plain_lines(text: &str) -> Option<RawTable> {
+    let key_char =
+        |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'/' | b'+' | b'=' | b'-');
+    let name_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-');
+    let mut t = RawTable::new(text.len() / 24);
+    let mut name_codes: HashMap<String, u16> = HashMap::new();
+    for (n, line) in text.trim_start_matches('\u{feff}').split('\n').enumerate() {
+        let line = line.strip_suffix('\r').unwrap_or(line);
+        if line.trim_start().is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let b = line.as_bytes();
+        let key_len = b.iter().position(|&c| !key_char(c)).unwrap_or(b.len());
+        let key = &line[..key_len];
+        let first_ok = b
+            .first()
+            .is_some_and(|&c| c.is_ascii_alphanumeric() || c == b'_');
+        // YAML reads `0x1F`, `0o17`, `0b1` and `1_000` as integers and holds two spellings of
+        // one number to be one key: such keys (and null) are left to the YAML parser.
+        let kb = key.as_bytes();
+        let integer_like = kb.first().is_some_and(u8::is_ascii_digit)
+            && (kb.contains(&b'_')
+                || (kb.len() > 1
+                    && kb[0] == b'0'
+                    && matches!(kb[1], b'x' | b'X' | b'o' | b'O' | b'b' | b'B')));
+        if !first_ok || integer_like || matches!(key, "null" | "Null" | "NULL") {
+            return None;
+        }
+        let rest = line[key_len..].strip_prefix(':')?;
+        let value_start = rest.len() - rest.trim_start_matches(' ').len();
+        if value_start == 0 {
+            return None;
+        }
+        let value_and_tail = &rest[value_start..];
+        let value_len = value_and_tail
+            .bytes()
+            .position(|c| !name_char(c))
+            .unwrap_or(value_and_tail.len());
+        let (value, tail) = value_and_tail.split_at(value_len);
+        let tail = tail.trim_start_matches(' ');
+        // A comment needs a space before its `#`.
+        let spaced = tail.len() < value_and_tail.len() - value_len;
+        let plain_end = tail.is_empty() || (tail.starts_with('#') && spaced);
+        if value.is_empty() || !plain_end || matches!(value, "null" | "Null" | "NULL") {
+            return None;
+        }
+        let line_no = n as u64 + 1;
+        let value_col = (key_len + 1 + value_start) as u64 + 1;
+        t.add(
+            (
+                key,
+                Pos {
+                    line: line_no,
+                    column: 1,
+                },
+            ),
+            (
+                value,
+                Pos {
+                    line: line_no,
+                    column: value_col,
+                },
+            ),
+            &mut name_codes,
+        );
+    }
+    t.arena.shrink_to_fit();
+    Some(t)
+}
+
 fn empty(fingerprint: u64) -> OverridesTable {
     OverridesTable {
         arena: Vec::new(),
@@ -217,18 +307,43 @@ struct RawTable {
     index: hashbrown::HashTable<Slot>,
     hasher: foldhash::fast::RandomState,
     /// Each distinct value, where it was first used.
-    names: Vec<(String, Location)>,
+    names: Vec<(String, Pos)>,
     /// The first entry refused, where and why. Kept rather than returned as a serde error, which
     /// the parser would place at the start of the map instead of at the entry.
-    problem: Option<(Location, String)>,
+    problem: Option<(Pos, String)>,
 }
 
 impl RawTable {
     /// Adds one entry; `Err` says why it cannot be.
+    fn new(capacity: usize) -> Self {
+        Self {
+            arena: Vec::new(),
+            index: hashbrown::HashTable::with_capacity(capacity),
+            hasher: foldhash::fast::RandomState::default(),
+            names: Vec::new(),
+            problem: None,
+        }
+    }
+
+    /// Adds `key: value` unless an entry was refused before; the first refusal is kept with
+    /// the key's position.
+    fn add(
+        &mut self,
+        (key, key_at): (&str, Pos),
+        (value, value_at): (&str, Pos),
+        name_codes: &mut HashMap<String, u16>,
+    ) {
+        if self.problem.is_none()
+            && let Err(why) = self.insert(key, (value, value_at), name_codes)
+        {
+            self.problem = Some((key_at, why));
+        }
+    }
+
     fn insert(
         &mut self,
         key: &str,
-        value: &Spanned<String>,
+        (value, value_at): (&str, Pos),
         name_codes: &mut HashMap<String, u16>,
     ) -> Result<(), String> {
         if self.index.len() >= MAX_ENTRIES {
@@ -246,13 +361,13 @@ impl RawTable {
         if stored.is_empty() {
             return Err("an empty key names no consumer".into());
         }
-        let code = match name_codes.get(&value.value) {
+        let code = match name_codes.get(value) {
             Some(c) => *c,
             None => {
                 let c = u16::try_from(self.names.len())
                     .map_err(|_| "more than 65535 different plan names".to_owned())?;
-                name_codes.insert(value.value.clone(), c);
-                self.names.push((value.value.clone(), value.referenced));
+                name_codes.insert(value.to_owned(), c);
+                self.names.push((value.to_owned(), value_at));
                 c
             }
         };
@@ -299,22 +414,15 @@ impl<'de> Visitor<'de> for TableVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTable, A::Error> {
-        let mut t = RawTable {
-            arena: Vec::new(),
-            index: hashbrown::HashTable::with_capacity(map.size_hint().unwrap_or(0)),
-            hasher: foldhash::fast::RandomState::default(),
-            names: Vec::new(),
-            problem: None,
-        };
+        let mut t = RawTable::new(map.size_hint().unwrap_or(0));
         let mut name_codes: HashMap<String, u16> = HashMap::new();
         while let Some(key) = map.next_key::<Spanned<String>>()? {
             let value: Spanned<String> = map.next_value()?;
-            if t.problem.is_some() {
-                continue;
-            }
-            if let Err(why) = t.insert(&key.value, &value, &mut name_codes) {
-                t.problem = Some((key.referenced, why));
-            }
+            t.add(
+                (&key.value, Pos::of(key.referenced)),
+                (&value.value, Pos::of(value.referenced)),
+                &mut name_codes,
+            );
         }
         t.arena.shrink_to_fit();
         Ok(t)
@@ -394,6 +502,77 @@ mod tests {
             t.get(&crate::keytext::from_admin(&long)),
             Some(TableEntry::Plan(1))
         );
+    }
+
+    /// Every entry as `(stored key, entry)`, sorted: two tables compared by content.
+    fn entries(t: &OverridesTable) -> Vec<(Vec<u8>, Option<TableEntry>)> {
+        let mut all: Vec<_> = t
+            .index
+            .iter()
+            .map(|s| (t.key_of(*s).to_vec(), t.get(t.key_of(*s))))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    proptest::proptest! {
+        /// The line reader gives what the YAML parser gives, whenever it takes a file: the
+        /// same entries, or the same refusal at the same place.
+        #[test]
+        fn plain_lines_read_as_yaml_does(
+            lines in proptest::collection::vec(
+                (
+                    "[a-c0-2_][a-c0-2_.=+/-]{0,3}|[0-2][xobXOB_0-2]{0,3}|[a-z0-9_.=+/#:~ -]{0,6}|null|~",
+                    "(pro|free|exempt|gold|null|[a-z#]{1,3})",
+                    "( ?# ?[a-z]{0,3}| {0,2})",
+                    proptest::bool::ANY,
+                ),
+                0..12,
+            )
+        ) {
+            let mut text = String::new();
+            for (key, value, tail, blank) in &lines {
+                if *blank {
+                    text.push_str("# note\n\n");
+                }
+                text.push_str(&format!("{key}: {value}{tail}\n"));
+            }
+            if super::super::is_empty(&text) {
+                return Ok(());
+            }
+            if plain_lines(&text).is_some() {
+                let fast = parse(&text, &plans(), 0);
+                let yaml = parse_yaml(&text, &plans(), 0);
+                match (fast, yaml) {
+                    (Ok(a), Ok(b)) => proptest::prop_assert_eq!(entries(&a), entries(&b), "{}", text),
+                    (Err(a), Err(b)) => {
+                        // A duplicate is worded by each reader in its own way, at the same key.
+                        let duplicate = |m: &str| m.contains("twice") || m.contains("duplicate");
+                        proptest::prop_assert!(
+                            a.message == b.message || (duplicate(&a.message) && duplicate(&b.message)),
+                            "{}: {} / {}", text, a.message, b.message
+                        );
+                        proptest::prop_assert_eq!(a.at, b.at, "{}", text);
+                    }
+                    (a, b) => proptest::prop_assert!(false, "{text}: line reader {a:?}, YAML {b:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_file_outside_the_plain_form_goes_to_the_yaml_parser() {
+        for text in [
+            "\"a b\": pro\n",
+            "{a: pro}\n",
+            "  a: pro\n",
+            "a:\tpro\n",
+            "---\na: pro\n",
+        ] {
+            assert!(plain_lines(text).is_none(), "{text:?}");
+            assert!(table(text).is_ok(), "{text:?}");
+        }
+        assert!(plain_lines("a: pro\nb.c/d=e-f+g: exempt # note\n").is_some());
     }
 
     #[test]
