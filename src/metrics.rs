@@ -160,6 +160,9 @@ pub struct Metrics {
     delay: HistogramFamily<RouteLimit>,
     waiters_abandoned: Family<RouteLimit, Counter>,
     local_keys: Gauge,
+    in_flight: Family<RouteLimit, Gauge>,
+    lease_renewals: Family<RouteLimit, Counter>,
+    lease_expiries: Family<RouteLimit, Counter>,
 }
 
 impl Default for Metrics {
@@ -187,6 +190,9 @@ impl Metrics {
         let delay: HistogramFamily<RouteLimit> = Family::new_with_constructor(Histogram::latency);
         let waiters_abandoned = Family::default();
         let local_keys = Gauge::default();
+        let in_flight = Family::default();
+        let lease_renewals = Family::default();
+        let lease_expiries = Family::default();
         // prometheus-client appends `_total` to counters and `_seconds` comes from the name.
         registry.register(
             "tollgate_requests",
@@ -248,6 +254,21 @@ impl Metrics {
             "Keys held by the in-process limit stores",
             local_keys.clone(),
         );
+        registry.register(
+            "tollgate_in_flight",
+            "Requests holding a slot of a concurrency limit now, on this instance",
+            in_flight.clone(),
+        );
+        registry.register(
+            "tollgate_lease_renewals",
+            "Concurrency leases renewed in Redis because their request outlived half a lease",
+            lease_renewals.clone(),
+        );
+        registry.register(
+            "tollgate_lease_expiries",
+            "Concurrency leases found run out in Redis before their request gave them back",
+            lease_expiries.clone(),
+        );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
         for kind in [
             "timeout",
@@ -276,6 +297,9 @@ impl Metrics {
             delay,
             waiters_abandoned,
             local_keys,
+            in_flight,
+            lease_renewals,
+            lease_expiries,
         }
     }
 
@@ -331,7 +355,28 @@ impl Metrics {
             fallback: self.fallback.get_or_create_owned(&rl),
             delay: self.delay.get_or_create_owned(&rl),
             abandoned: self.waiters_abandoned.get_or_create_owned(&rl),
+            slots: None,
         }
+    }
+
+    /// Handles for a concurrency limit's series (in flight, lease renewals and expiries),
+    /// created now so they read 0 before the first request. Only concurrency limits have them.
+    pub fn slots(&self, route: &str, limit: &str) -> SlotMetrics {
+        let rl = RouteLimit {
+            route: route.to_owned(),
+            limit: limit.to_owned(),
+        };
+        SlotMetrics {
+            in_flight: self.in_flight.get_or_create_owned(&rl),
+            renewals: self.lease_renewals.get_or_create_owned(&rl),
+            expiries: self.lease_expiries.get_or_create_owned(&rl),
+        }
+    }
+
+    /// A handle that counts Redis failures in `tollgate_redis_errors_total` from a background
+    /// task that holds no `Metrics`.
+    pub fn redis_errors(&self) -> RedisErrors {
+        RedisErrors(self.redis_errors.clone())
     }
 
     /// The `tollgate_limiter_duration_seconds` histogram of `scope`.
@@ -422,6 +467,32 @@ pub struct LimitMetrics {
     /// `tollgate_delayed_abandoned_total`: delayed requests whose client went away while
     /// waiting; their slot stays consumed.
     pub abandoned: Counter,
+    /// A concurrency limit's series ([`Metrics::slots`]); `None` for a rate limit.
+    pub slots: Option<SlotMetrics>,
+}
+
+/// A concurrency limit's series, labelled with route and limit.
+#[derive(Clone, Debug)]
+pub struct SlotMetrics {
+    /// `tollgate_in_flight`: requests holding one of its slots now, on this instance.
+    pub in_flight: Gauge,
+    /// `tollgate_lease_renewals_total`: leases renewed because their request outlived half a
+    /// lease.
+    pub renewals: Counter,
+    /// `tollgate_lease_expiries_total`: leases found run out before their request gave them back
+    /// (Redis unreachable for half a lease, or the key reset meanwhile).
+    pub expiries: Counter,
+}
+
+/// `tollgate_redis_errors_total`, for counting from anywhere.
+#[derive(Clone, Debug)]
+pub struct RedisErrors(Family<KindLabel, Counter>);
+
+impl RedisErrors {
+    /// Counts one failure of `kind`.
+    pub fn count(&self, kind: &'static str) {
+        self.0.get_or_create(&KindLabel { kind }).inc();
+    }
 }
 
 /// The route label of requests that matched no route (an empty label value would read as "no

@@ -147,6 +147,9 @@ pub struct ConfigSnapshot {
     /// The Redis tier, when `redis` is configured; kept across reloads with the same settings.
     pub redis: Option<RedisStore>,
     pub on_error: OnError,
+    /// The concurrency leases this instance holds in `redis`, renewed in the background; kept
+    /// with the store across reloads.
+    pub leases: Option<Arc<crate::limit::LeaseBook>>,
     pub table: RouteTable,
     pub routes: Vec<Route>,
     pub unmatched: RouteMetrics,
@@ -212,6 +215,19 @@ impl ConfigSnapshot {
                 },
             }
         });
+        let leases = redis.as_ref().map(|store| {
+            match previous.and_then(|p| p.redis.as_ref().zip(p.leases.as_ref())) {
+                Some((kept, book)) if kept.same(store) => Arc::clone(book),
+                _ => {
+                    let book = crate::limit::LeaseBook::new(
+                        Arc::new(store.clone()),
+                        Some(metrics.redis_errors()),
+                    );
+                    book.start_renewing();
+                    book
+                }
+            }
+        });
         let cluster = redis.as_ref().is_some_and(|r| r.is_cluster());
         let tiers = TierMetrics::new(metrics);
         // A shared limit's stores, taken by the first route that uses it and cloned by the rest:
@@ -250,14 +266,12 @@ impl ConfigSnapshot {
                         } else {
                             carry()
                         };
-                        let mut limit = Limit::new(
-                            &rc.name,
-                            lc,
-                            store,
-                            tier,
-                            eventual,
-                            metrics.limit(&rc.name, &lc.name),
-                        );
+                        let mut limit_metrics = metrics.limit(&rc.name, &lc.name);
+                        if lc.concurrency.is_some() {
+                            limit_metrics.slots = Some(metrics.slots(&rc.name, &lc.name));
+                        }
+                        let mut limit =
+                            Limit::new(&rc.name, lc, store, tier, eventual, limit_metrics);
                         limit.top = top;
                         limit
                     })
@@ -284,6 +298,7 @@ impl ConfigSnapshot {
             .collect();
         Self {
             redis,
+            leases,
             on_error: config.redis.as_ref().map_or(OnError::Allow, |r| r.on_error),
             table: RouteTable::new(config.routes.iter().map(|r| &r.matcher)),
             routes,
@@ -325,6 +340,11 @@ fn state_owner<'a>(route: &'a str, limit: &LimitConfig) -> &'a str {
 /// algorithm starts from a fresh store (the old state would mean something else), anything
 /// else (shadow, headers, delay, cost) keeps it.
 fn same_state_shape(old: &LimitConfig, new: &LimitConfig) -> bool {
+    if old.concurrency.is_some() && new.concurrency.is_some() {
+        // Slots held are slots held, whatever max_in_flight: a changed limit keeps counting
+        // the requests still in flight (they give their slots back to this store).
+        return old.key == new.key && old.scope == new.scope;
+    }
     old.algorithm == new.algorithm
         && old.rate == new.rate
         && old.burst == new.burst
@@ -386,6 +406,7 @@ mod tests {
             probe_wait: std::time::Duration::from_millis(50),
             redis: None::<&RedisStore>,
             on_error: OnError::Allow,
+            leases: None,
             allow_delay: true,
             metrics,
         };

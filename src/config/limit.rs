@@ -30,22 +30,47 @@ pub(super) fn limit(
     warnings: &mut Vec<Invalid>,
 ) -> Checked<LimitConfig> {
     let limit_at = at(&raw);
-    let raw = raw.value;
+    let mut raw = raw.value;
     if let Some(u) = &raw.use_ {
         return Err(Invalid::new(
             at(u),
             "`use:` draws on a top-level limit and takes no other field, and not inside the top-level `limits:` itself",
         ));
     }
-    let name = name(raw.name, limit_at, seen, Some(route))?;
+    let name = name(raw.name.take(), limit_at, seen, Some(route))?;
 
-    let Some(rate_text) = raw.rate else {
-        return Err(Invalid::new(
-            limit_at,
-            format!("limit `{name}` has no `rate`: add e.g. `rate: 100/1m` (COUNT/PERIOD)"),
-        ));
+    let algorithm = match &raw.algorithm {
+        Some(t) => keyword(
+            t,
+            "algorithm",
+            &[
+                ("gcra", AlgorithmKind::Gcra),
+                ("token_bucket", AlgorithmKind::Gcra),
+                ("leaky_bucket", AlgorithmKind::Gcra),
+                ("fixed_window", AlgorithmKind::FixedWindow),
+                ("sliding_window", AlgorithmKind::SlidingWindow),
+                ("sliding_log", AlgorithmKind::SlidingLog),
+                ("concurrency", AlgorithmKind::Concurrency),
+            ],
+        )?,
+        None => AlgorithmKind::Gcra,
     };
-    let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(&rate_text), e))?;
+    // A concurrency limit has slots instead of a rate (config/after.rs).
+    let slots = super::after::concurrency(&raw, algorithm, limit_at, &name)?;
+    let rate = match &slots {
+        Some(slots) => slots.as_rate(),
+        None => {
+            let Some(rate_text) = &raw.rate else {
+                return Err(Invalid::new(
+                    limit_at,
+                    format!("limit `{name}` has no `rate`: add e.g. `rate: 100/1m` (COUNT/PERIOD)"),
+                ));
+            };
+            let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(rate_text), e))?;
+            check_precision(algorithm, rate, rate_text)?;
+            rate
+        }
+    };
 
     let key = match raw.key {
         Some(list) => {
@@ -76,22 +101,6 @@ pub(super) fn limit(
         )?,
         None => OnMissing::Skip,
     };
-    let algorithm = match &raw.algorithm {
-        Some(t) => keyword(
-            t,
-            "algorithm",
-            &[
-                ("gcra", AlgorithmKind::Gcra),
-                ("token_bucket", AlgorithmKind::Gcra),
-                ("leaky_bucket", AlgorithmKind::Gcra),
-                ("fixed_window", AlgorithmKind::FixedWindow),
-                ("sliding_window", AlgorithmKind::SlidingWindow),
-                ("sliding_log", AlgorithmKind::SlidingLog),
-            ],
-        )?,
-        None => AlgorithmKind::Gcra,
-    };
-    check_precision(algorithm, rate, &rate_text)?;
 
     let burst = match raw.burst {
         // The spec calls burst "gcra only"; a shared limit block that carries one into a
@@ -219,6 +228,7 @@ pub(super) fn limit(
         }
         None => Consistency::Strict,
     };
+    super::after::slot_consistency(raw.consistency.as_ref(), consistency, slots.as_ref())?;
     let sync_interval = positive_duration_or(
         raw.sync_interval.as_ref(),
         "sync_interval",
@@ -259,6 +269,7 @@ pub(super) fn limit(
         overrides,
         overrides_file,
         shared: false,
+        concurrency: slots,
     })
 }
 
@@ -289,6 +300,12 @@ fn delay(
     if on_limit == OnLimit::Reject {
         reject_only(max_delay_text, max_delay, warnings);
         return Ok((OnLimit::Reject, max_delay));
+    }
+    if algorithm == AlgorithmKind::Concurrency {
+        return Err(Invalid::new(
+            at(t),
+            "on_limit: delay is not supported on a concurrency limit (a slot comes back when a request ends, not at a time that can be reserved): use on_limit: reject, whose 429 says Retry-After: retry_after",
+        ));
     }
     if algorithm != AlgorithmKind::Gcra {
         return Err(Invalid::new(

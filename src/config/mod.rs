@@ -6,6 +6,7 @@
 //! types below, which the rest of the proxy uses without re-checking anything.
 //! A `Config` that exists is a config that is safe to run.
 
+mod after;
 mod consumers;
 mod limit;
 mod overrides_file;
@@ -25,10 +26,10 @@ use std::path::{Path, PathBuf};
 
 pub use self::summary::summary;
 pub use self::types::{
-    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,
-    OnMissing, Override, OverrideRate, OverridesFile, OverridesTable, PathMatch, Piece, Plan, Rate,
-    RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope, ServerConfig,
-    TableEntry, Template, TemplateError, UpstreamCa, When,
+    AlgorithmKind, ConcurrencyConfig, Config, Consistency, KeyPart, LimitConfig, ListenerTls,
+    OnError, OnLimit, OnMissing, Override, OverrideRate, OverridesFile, OverridesTable, PathMatch,
+    Piece, Plan, Rate, RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope,
+    ServerConfig, TableEntry, Template, TemplateError, UpstreamCa, When,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 

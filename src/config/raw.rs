@@ -142,6 +142,10 @@ pub(super) struct RawLimit {
     pub sync_interval: Option<Text>,
     pub overrides: Option<Vec<Spanned<RawOverride>>>,
     pub overrides_file: Option<Text>,
+    // Limits that end after the response (config/after.rs).
+    pub max_in_flight: Option<Spanned<u64>>,
+    pub lease: Option<Text>,
+    pub retry_after: Option<Text>,
 }
 
 /// `upstream: URL` or `upstream: [URL, ...]` (likewise `key`, `methods`, ...).

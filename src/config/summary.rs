@@ -215,6 +215,10 @@ fn write_route(out: &mut String, route: &RouteConfig) {
 
 /// One limit's lines; `used` says which routes draw on a shared one.
 fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
+    if let Some(slots) = &l.concurrency {
+        write_slots(out, l, slots, used);
+        return;
+    }
     let mut algo = format!("{} {}", l.algorithm, l.rate);
     if l.algorithm == AlgorithmKind::Gcra {
         let _ = write!(algo, " burst {}", l.burst);
@@ -294,6 +298,58 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
     }
 }
 
+/// A concurrency limit's lines: its slots, and what a crashed instance costs.
+fn write_slots(
+    out: &mut String,
+    l: &LimitConfig,
+    slots: &crate::config::ConcurrencyConfig,
+    used: Option<&str>,
+) {
+    let can_be_missing = l
+        .key
+        .iter()
+        .any(|p| matches!(p, KeyPart::Header(_) | KeyPart::Query(_)));
+    let on_missing = if can_be_missing {
+        format!(" (if missing: {})", l.on_missing)
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "  limit {}: key {}{on_missing}, concurrency, max_in_flight {}, {}, 429 with Retry-After {}, {}",
+        l.name,
+        join(&l.key, "+"),
+        slots.max_in_flight,
+        l.scope,
+        DurationText(slots.retry_after),
+        if l.shadow {
+            "shadow (never rejects)"
+        } else {
+            "enforced"
+        },
+    );
+    let per = match l.scope {
+        Scope::Global => format!(
+            "across every instance; a slot is a lease in Redis: an instance that dies gives its slots back after {} (its live requests renew theirs)",
+            DurationText(slots.lease)
+        ),
+        Scope::Local => "on each instance".to_owned(),
+    };
+    let shadow = if l.shadow {
+        "not enforced (shadow); would allow "
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        out,
+        "    {shadow}at most {} requests of one key in flight at once, {per}",
+        slots.max_in_flight
+    );
+    if let Some(used) = used {
+        let _ = writeln!(out, "    {used}");
+    }
+}
+
 /// What an override gives, in words.
 fn override_rate(then: &OverrideRate, l: &LimitConfig) -> String {
     match then {
@@ -352,6 +408,8 @@ fn admission_bound(l: &LimitConfig) -> String {
                 unit_word(l.cost)
             ),
         ),
+        // Written by `write_slots`; no rate to bound.
+        AlgorithmKind::Concurrency => (count, format!("at most {count} in flight at once")),
     };
     if l.cost > 1 {
         let _ = write!(

@@ -17,6 +17,7 @@ use ipnet::IpNet;
 use rustls::pki_types::CertificateDer;
 use serde::{Serialize, Serializer};
 
+pub use super::after::ConcurrencyConfig;
 pub use super::overrides_file::{OverridesTable, TableEntry};
 use super::rate::DurationText;
 pub use super::rate::Rate;
@@ -309,6 +310,9 @@ pub struct LimitConfig {
     /// Defined in the top-level `limits:` and drawn on here by `- use: NAME`: its state is
     /// keyed without the route, so every route that uses it shares one budget per key.
     pub shared: bool,
+    /// `algorithm: concurrency`: its slots (`rate` then holds `max_in_flight` per `lease`, for
+    /// the code that reads a quota; it is shown as neither).
+    pub concurrency: Option<ConcurrencyConfig>,
 }
 
 impl LimitConfig {
@@ -463,6 +467,9 @@ impl Serialize for LimitConfig {
             m.serialize_field("use", &self.name)?;
             return m.end();
         }
+        if let Some(slots) = &self.concurrency {
+            return self.serialize_slots(slots, s);
+        }
         let mut m = s.serialize_struct("LimitConfig", 15)?;
         m.serialize_field("name", &self.name)?;
         m.serialize_field("key", &self.key)?;
@@ -493,6 +500,29 @@ impl Serialize for LimitConfig {
             Some(f) => m.serialize_field("overrides_file", f)?,
             None => m.skip_field("overrides_file")?,
         }
+        m.end()
+    }
+}
+
+impl LimitConfig {
+    /// A concurrency limit as the YAML writes one: its slot fields, none of the rate's.
+    fn serialize_slots<S: Serializer>(
+        &self,
+        slots: &ConcurrencyConfig,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut m = s.serialize_struct("LimitConfig", 9)?;
+        m.serialize_field("name", &self.name)?;
+        m.serialize_field("key", &self.key)?;
+        m.serialize_field("on_missing", &self.on_missing)?;
+        m.serialize_field("algorithm", &self.algorithm)?;
+        m.serialize_field("max_in_flight", &slots.max_in_flight)?;
+        m.serialize_field("lease", &DurationText(slots.lease).to_string())?;
+        m.serialize_field("retry_after", &DurationText(slots.retry_after).to_string())?;
+        m.serialize_field("scope", &self.scope)?;
+        m.serialize_field("on_limit", &self.on_limit)?;
+        m.serialize_field("shadow", &self.shadow)?;
         m.end()
     }
 }
@@ -591,6 +621,9 @@ keyword_enum!(
         /// Every admission's timestamp: never more than `count` in any period, for memory that
         /// grows with `count` per key.
         SlidingLog = "sliding_log",
+        /// Not a rate: at most `max_in_flight` requests of one key at once, each holding a slot
+        /// until its response has been sent.
+        Concurrency = "concurrency",
     }
 );
 

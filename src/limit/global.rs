@@ -18,6 +18,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use super::algorithm::{Micros, Rejection, Snapshot};
+use super::held::{Held, PendingLease};
 use super::local::deny::{Probe, ProbeGuard};
 use super::redis::{Decision, GlobalLimit, LimitVerdict, RedisError, RedisStore};
 use super::{Context, Limit, LimitSet, Results, Span, Verdict, micros, warn_deny};
@@ -35,10 +36,12 @@ pub trait GlobalStore: Sync {
     /// with the others and charged with them when it admits, its rejection stops nothing.
     /// `Decision::admitted` is about the enforced limits; `per_limit` follows `limits`. No
     /// limits: admitted, without asking anything.
+    /// `leases[i]` (missing: 0) is the lease id a concurrency limit's slot is taken under.
     fn decide(
         &self,
         limits: &[GlobalLimit<'_>],
         shadow: &[bool],
+        leases: &[u64],
     ) -> impl Future<Output = Result<Decision, RedisError>> + Send;
 
     /// One limit's state now, charging nothing (the admin API).
@@ -75,15 +78,16 @@ pub trait GlobalStore: Sync {
 }
 
 /// The gateway's store: each method is [`RedisStore`]'s own of the same name (`decide` is
-/// [`RedisStore::decide_with_shadows`] on Redis's clock). Implemented here rather than in
+/// [`RedisStore::decide_leasing`] on Redis's clock). Implemented here rather than in
 /// `redis/` so that the Redis client knows nothing of the orchestration it serves.
 impl GlobalStore for RedisStore {
     fn decide(
         &self,
         limits: &[GlobalLimit<'_>],
         shadow: &[bool],
+        leases: &[u64],
     ) -> impl Future<Output = Result<Decision, RedisError>> + Send {
-        self.decide_with_shadows(limits, shadow, None)
+        self.decide_leasing(limits, shadow, leases, None)
     }
 
     fn peek(
@@ -146,6 +150,7 @@ impl LimitSet {
         spans: &[Span],
         cx: &Context<'_, G>,
         started: std::time::Instant,
+        held: &mut Held,
     ) -> Verdict {
         let mut results = Results::new();
         let probed = match self
@@ -159,17 +164,35 @@ impl LimitSet {
             Ok(local) => local,
             Err(rejected) => return rejected,
         };
-        let answer = self.ask_global(keys, &probed.to_store, cx).await;
+        let leases = self.pending_leases(keys, &probed.to_store, cx);
+        let answer = self.ask_global(keys, &probed.to_store, &leases, cx).await;
         self.tiers.global_duration.observe(started.elapsed());
         let decision = match answer {
             Ok(decision) => decision,
-            Err(e) => return self.on_store_error(e, keys, spans, &probed.to_store, cx, results),
+            Err(e) => {
+                if e == RedisError::Unavailable {
+                    // Not asked at all: no lease can have been taken.
+                    leases.into_iter().flatten().for_each(PendingLease::discard);
+                }
+                // Otherwise the call may have run (or may yet): dropped, the leases are given
+                // back to be sure.
+                return self.on_store_error(e, keys, spans, &probed.to_store, cx, results, held);
+            }
         };
         self.tiers.redis.inc();
         let admitted = decision.admitted;
+        for (lease, v) in leases.into_iter().zip(&decision.per_limit) {
+            match lease {
+                Some(lease) if admitted && v.is_admitted() => held.lease(lease.confirm()),
+                Some(lease) => lease.discard(),
+                None => {}
+            }
+        }
         self.learn(keys, &probed, decision, cx, &mut results);
         if admitted {
-            self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results);
+            // Should a local limit reject here after all, the verdict is a rejection and
+            // `finish` gives back the leases just granted.
+            self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held);
         } else {
             // Nothing was charged: the local limits report what they answered before.
             results.extend(self.local_indexes(spans).zip(local));
@@ -195,6 +218,12 @@ impl LimitSet {
         };
         for &(i, s, e, r) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
             let l = &self.limits[i];
+            if l.slots().is_some() {
+                // A slot frees when a request ends, not at a time the tier could remember:
+                // Redis decides every one.
+                probed.to_store.push((i, s, e, r));
+                continue;
+            }
             match self
                 .probe_key(l, &keys[s..e], l.rate(r).id, cx, &mut probed.sent)
                 .await
@@ -288,6 +317,7 @@ impl LimitSet {
         &self,
         keys: &[u8],
         to_store: &[Span],
+        leases: &[Option<PendingLease>],
         cx: &Context<'_, G>,
     ) -> Result<Decision, RedisError> {
         let redis_keys: SmallVec<[String; 4]> = to_store
@@ -312,7 +342,15 @@ impl LimitSet {
         let Some(store) = cx.redis else {
             return Err(RedisError::Unavailable);
         };
-        match store.decide(&limits, &shadow).await {
+        let ids: SmallVec<[u64; 4]> = leases
+            .iter()
+            .map(|p| p.as_ref().map_or(0, PendingLease::id))
+            .collect();
+        if cx.leases.is_none() && to_store.iter().any(|s| self.limits[s.0].slots().is_some()) {
+            // No book to hold leases in: as if Redis could not answer (`on_error` decides).
+            return Err(RedisError::Unavailable);
+        }
+        match store.decide(&limits, &shadow, &ids).await {
             Err(e) if !shadow.contains(&false) => {
                 cx.metrics.redis_error(e.kind());
                 Ok(Decision {
@@ -322,6 +360,32 @@ impl LimitSet {
             }
             other => other,
         }
+    }
+
+    /// A lease to ask for per concurrency limit of `to_store` (in its order; `None` for the
+    /// rate limits), in the book of `cx`.
+    fn pending_leases<G>(
+        &self,
+        keys: &[u8],
+        to_store: &[Span],
+        cx: &Context<'_, G>,
+    ) -> SmallVec<[Option<PendingLease>; 4]> {
+        if !self.has_slots {
+            return SmallVec::new();
+        }
+        let Some(book) = cx.leases else {
+            return SmallVec::new();
+        };
+        to_store
+            .iter()
+            .map(|&(i, s, e, r)| {
+                let l = &self.limits[i];
+                let slots = l.slots()?;
+                let key = super::redis::redis_keys(&l.redis_key(&keys[s..e]), &l.rate(r).algorithm)
+                    .swap_remove(0);
+                Some(book.pending(key, slots.lease(), l.metrics.slots.as_ref()))
+            })
+            .collect()
     }
 
     /// Step 4: the store's verdicts into `results`, and into the in-process tier what they say
@@ -340,9 +404,10 @@ impl LimitSet {
             let l = &self.limits[i];
             let rate = l.rate(r);
             let (key, max_delay) = (&keys[s..e], l.delay_allowed(cx.allow_delay));
+            let tier = self.tier_enabled && l.slots().is_none();
             let v = match v {
                 LimitVerdict::Admitted { snapshot, delay } => {
-                    if self.tier_enabled && charged {
+                    if tier && charged {
                         let applied = (&rate.algorithm, rate.id);
                         l.deny_cache.admitted(
                             key,
@@ -356,7 +421,7 @@ impl LimitSet {
                     Ok((snapshot, delay))
                 }
                 LimitVerdict::Rejected(r) => {
-                    if self.tier_enabled {
+                    if tier {
                         l.deny_cache
                             .rejected(key, probed.sent, &r, max_delay, rate.id);
                     }
@@ -370,6 +435,7 @@ impl LimitSet {
     /// `redis.on_error`, when the store could not answer: `deny` answers 503 naming an enforced
     /// limit (only their calls fail here); `allow` decides the global limits on their local
     /// stores (same quota, per instance), with the local and eventual limits, and counts it.
+    #[allow(clippy::too_many_arguments)]
     fn on_store_error<G>(
         &self,
         e: RedisError,
@@ -378,6 +444,7 @@ impl LimitSet {
         to_store: &[Span],
         cx: &Context<'_, G>,
         mut results: Results,
+        held: &mut Held,
     ) -> Verdict {
         cx.metrics.redis_error(e.kind());
         if cx.on_error == OnError::Deny {
@@ -390,7 +457,7 @@ impl LimitSet {
         self.tiers.fallback.inc();
         let asked = |l: &Limit| to_store.iter().any(|s| std::ptr::eq(&self.limits[s.0], l));
         let in_fallback = |l: &Limit| l.is_local() || asked(l);
-        self.commit_in_process(keys, spans, cx, in_fallback, &mut results);
+        self.commit_in_process(keys, spans, cx, in_fallback, &mut results, held);
         for &(i, ..) in to_store {
             self.limits[i].metrics.fallback.inc();
         }

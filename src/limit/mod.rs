@@ -28,6 +28,7 @@ pub mod algorithm;
 pub mod clock;
 pub mod eventual;
 mod global;
+pub mod held;
 pub mod local;
 pub mod overrides;
 pub mod redis;
@@ -45,9 +46,10 @@ use prometheus_client::metrics::counter::Counter;
 use crate::config::{Consistency, LimitConfig, OnError, OnLimit, Scope};
 use crate::key::{KeyOutcome, KeySpec, RequestParts};
 use crate::metrics::{Histogram, LimitMetrics, Metrics};
-use algorithm::{Algorithm, Micros, Rejection, Snapshot};
+use algorithm::{Algorithm, Concurrency, Micros, Rejection, Snapshot};
 use eventual::EventualStore;
 pub use global::GlobalStore;
+pub use held::{Held, LeaseBook, LeaseStore};
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
 pub use overrides::{Applied, LimitRate, Overrides};
@@ -281,6 +283,15 @@ impl Limit {
             .map_or(Applied::Rate(0), |o| o.for_key(key))
     }
 
+    /// A concurrency limit's slots (`None` for a rate limit).
+    #[inline]
+    fn slots(&self) -> Option<&Concurrency> {
+        match &self.algorithm {
+            Algorithm::Concurrency(c) => Some(c),
+            _ => None,
+        }
+    }
+
     /// Decided by the local store alone (`scope: local`).
     fn is_local(&self) -> bool {
         self.scope == Scope::Local
@@ -505,6 +516,9 @@ pub struct Context<'a, G = RedisStore> {
     pub redis: Option<&'a G>,
     /// `redis.on_error`: what global limits do when Redis cannot answer.
     pub on_error: OnError,
+    /// The leases this instance holds in `redis` (global concurrency limits); `None` without
+    /// Redis, and then a global concurrency limit is decided as when Redis cannot answer.
+    pub leases: Option<&'a Arc<LeaseBook>>,
     /// `false` when the route's waiter cap is full: a request that would wait is rejected.
     pub allow_delay: bool,
     /// Where Redis errors are counted (each limit counts its decisions in its own `metrics`).
@@ -574,6 +588,8 @@ pub struct LimitSet {
     pub reads_headers: bool,
     /// Some limit is `eventual`: without one, a local decision skips holding eventual keys.
     has_eventual: bool,
+    /// Some limit is a concurrency limit: an admitted request may hold slots.
+    has_slots: bool,
 }
 
 /// One applicable limit of this request: its index, its key's span in the key buffer, and
@@ -585,6 +601,7 @@ impl LimitSet {
     pub fn new(limits: Vec<Limit>, tiers: TierMetrics, cluster: bool) -> Self {
         let can_delay = limits.iter().any(|l| l.max_delay > 0);
         let has_eventual = limits.iter().any(|l| l.eventual.is_some());
+        let has_slots = limits.iter().any(|l| l.slots().is_some());
         let enforced_global = limits.iter().filter(|l| l.is_global() && !l.shadow).count();
         let reads_headers = limits.iter().any(|l| {
             l.key
@@ -597,6 +614,7 @@ impl LimitSet {
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
             has_eventual,
+            has_slots,
             limits,
             can_delay,
             tiers,
@@ -608,18 +626,34 @@ impl LimitSet {
         self.limits.is_empty()
     }
 
-    /// Decides every limit for this request.
+    /// Decides every limit for this request. Slots an admitted request takes are given back at
+    /// once: for a request that is not forwarded (the admin API, tests); the proxy uses
+    /// [`LimitSet::evaluate_held`].
     pub async fn evaluate<G: GlobalStore>(
         &self,
         req: &RequestParts<'_>,
         cx: &Context<'_, G>,
     ) -> Verdict {
+        self.evaluate_held(req, cx).await.0
+    }
+
+    /// Decides every limit for this request; an admitted request also gets what it holds until
+    /// its exchange ends (its concurrency slots, given back when the [`Held`] drops). Any other
+    /// verdict holds nothing.
+    pub async fn evaluate_held<G: GlobalStore>(
+        &self,
+        req: &RequestParts<'_>,
+        cx: &Context<'_, G>,
+    ) -> (Verdict, Held) {
         if self.limits.is_empty() {
-            return Verdict::Admit {
-                delay: Duration::ZERO,
-                delayed_by: None,
-                info: None,
-            };
+            return (
+                Verdict::Admit {
+                    delay: Duration::ZERO,
+                    delayed_by: None,
+                    info: None,
+                },
+                Held::default(),
+            );
         }
         let started = cx.started;
         let mut keys = crate::key::KeyBuf::new();
@@ -646,7 +680,7 @@ impl LimitSet {
                 }
                 KeyOutcome::Reject(part) => {
                     limit.metrics.rejected.inc();
-                    return Verdict::MissingKey { limit: i, part };
+                    return (Verdict::MissingKey { limit: i, part }, Held::default());
                 }
                 // Refused (400) before any limit decides, counted as this limit's rejection as
                 // a missing key is; a shadow limit counts what enforcing it would have refused
@@ -656,7 +690,7 @@ impl LimitSet {
                 }
                 KeyOutcome::Ambiguous(part) => {
                     limit.metrics.rejected.inc();
-                    return Verdict::AmbiguousKey { limit: i, part };
+                    return (Verdict::AmbiguousKey { limit: i, part }, Held::default());
                 }
             }
         }
@@ -675,18 +709,28 @@ impl LimitSet {
                     now: cx.clock.now(),
                     ..*cx
                 };
-                let verdict = self.decide(&keys, &spans, &after, started).await;
-                return self.finish(verdict, &keys, &spans, after.now);
+                let mut held = Held::default();
+                let verdict = self.decide(&keys, &spans, &after, started, &mut held).await;
+                return self.finish(verdict, held, &keys, &spans, after.now);
             }
         }
-        let verdict = self.decide(&keys, &spans, cx, started).await;
-        self.finish(verdict, &keys, &spans, cx.now)
+        let mut held = Held::default();
+        let verdict = self.decide(&keys, &spans, cx, started, &mut held).await;
+        self.finish(verdict, held, &keys, &spans, cx.now)
     }
 
     /// The verdict as the request gets it: the rate each reported limit's key got (decided
-    /// per span, reported per limit), and a 429's key recorded for `top`.
+    /// per span, reported per limit), and a 429's key recorded for `top`. What `held` took is
+    /// given back unless the request is admitted (a race lost after Redis granted a lease).
     #[inline]
-    fn finish(&self, mut verdict: Verdict, keys: &[u8], spans: &[Span], now: Micros) -> Verdict {
+    fn finish(
+        &self,
+        mut verdict: Verdict,
+        held: Held,
+        keys: &[u8],
+        spans: &[Span],
+        now: Micros,
+    ) -> (Verdict, Held) {
         let rate_of = |limit: usize| spans.iter().find(|sp| sp.0 == limit).map_or(0, |sp| sp.3);
         match &mut verdict {
             Verdict::Reject { limit, rate, .. } => *rate = rate_of(*limit),
@@ -696,7 +740,11 @@ impl LimitSet {
             _ => {}
         }
         self.record_rejection(&verdict, keys, spans, now);
-        verdict
+        let held = match verdict {
+            Verdict::Admit { .. } => held,
+            _ => Held::default(),
+        };
+        (verdict, held)
     }
 
     /// A 429's key, into its limit's [`TopKeys`] (the admin API's `top`); nothing for any
@@ -711,13 +759,15 @@ impl LimitSet {
         }
     }
 
-    /// Decides every limit for this request, its keys built and its eventual keys known.
+    /// Decides every limit for this request, its keys built and its eventual keys known; the
+    /// slots an admission takes go into `held`.
     async fn decide<G: GlobalStore>(
         &self,
         keys: &[u8],
         spans: &[Span],
         cx: &Context<'_, G>,
         started: std::time::Instant,
+        held: &mut Held,
     ) -> Verdict {
         if spans.is_empty() {
             // Every limit was skipped (a key part missing, `on_missing: skip`): nothing decided,
@@ -728,13 +778,16 @@ impl LimitSet {
             // Boxed: the Redis path's state is large (about 13 KB of fred futures); inline, it
             // would be part of every request's future, local-only ones and waiters included.
             // One allocation per global decision is small next to its round trip.
-            return Box::pin(self.evaluate_global(keys, spans, cx, started)).await;
+            return Box::pin(self.evaluate_global(keys, spans, cx, started, held)).await;
         }
         if !self.has_eventual {
             // Local limits only, the common route: no eventual keys to hold, and the verdicts
             // are concluded where they are.
             let checks = self.local_checks(keys, spans, cx, Limit::is_local);
-            let (_, verdicts) = local::decide(&checks, cx.now);
+            let (admitted, verdicts) = local::decide(&checks, cx.now);
+            if admitted && self.has_slots {
+                self.hold_local(keys, spans, cx, Limit::is_local, &verdicts, held);
+            }
             self.count_local(started);
             return self.conclude_each(self.local_indexes(spans).zip(verdicts.iter()));
         }
@@ -750,9 +803,35 @@ impl LimitSet {
             return self.conclude(&results);
         }
         let mut results = Results::new();
-        self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results);
+        self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held);
         self.count_local(started);
         self.conclude(&results)
+    }
+
+    /// The slots of the concurrency limits `pick` selects that admitted (`verdicts`, one per
+    /// picked span, in order) in a decision that charged them, into `held`.
+    fn hold_local<G>(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        pick: impl Fn(&Limit) -> bool,
+        verdicts: &[LocalVerdict],
+        held: &mut Held,
+    ) {
+        let picked = spans.iter().filter(|s| pick(&self.limits[s.0]));
+        for (&(i, s, e, _), v) in picked.zip(verdicts) {
+            let l = &self.limits[i];
+            if let (Some(slots), Ok(_)) = (l.slots(), v) {
+                held.local(
+                    &l.store,
+                    slots,
+                    &keys[s..e],
+                    cx.now,
+                    l.metrics.slots.as_ref(),
+                );
+            }
+        }
     }
 
     /// Counts a decision made in process (local and eventual limits), begun at `started`.
@@ -886,6 +965,7 @@ impl LimitSet {
         cx: &Context<'_, G>,
         pick: impl Fn(&Limit) -> bool,
         results: &mut Results,
+        slots: &mut Held,
     ) -> bool {
         let mut held = self.hold_eventual(keys, spans, cx);
         let eventual: Results = held
@@ -902,6 +982,9 @@ impl LimitSet {
         if admitted {
             let checks = self.local_checks(keys, spans, cx, &pick);
             (admitted, local) = local::decide(&checks, cx.now);
+            if admitted && self.has_slots {
+                self.hold_local(keys, spans, cx, &pick, &local, slots);
+            }
         }
         self.charge_eventual(&mut held, &eventual, admitted);
         drop(held);
@@ -1010,7 +1093,7 @@ impl LimitSet {
                         delay = *d;
                         delayed_by = Some(i);
                     }
-                    if !l.shadow {
+                    if !l.shadow && l.slots().is_none() {
                         let candidate = header_info(i, snap);
                         if info.is_none_or(|cur| {
                             (

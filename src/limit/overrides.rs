@@ -17,7 +17,9 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use ipnet::IpNet;
 use parking_lot::Mutex;
 
-use super::algorithm::{Algorithm, FixedWindow, Gcra, Quota, SlidingLog, SlidingWindow};
+use super::algorithm::{
+    Algorithm, Concurrency, FixedWindow, Gcra, Quota, SlidingLog, SlidingWindow,
+};
 use crate::config::{AlgorithmKind, LimitConfig, OverrideRate, OverridesTable, Rate, TableEntry};
 use crate::key::RequestParts;
 
@@ -210,6 +212,20 @@ fn limit_rate(config: &LimitConfig, rate: Rate, burst: u64, plan: Option<&str>) 
             AlgorithmKind::FixedWindow => Algorithm::FixedWindow(FixedWindow::new(quota)),
             AlgorithmKind::SlidingWindow => Algorithm::SlidingWindow(SlidingWindow::new(quota)),
             AlgorithmKind::SlidingLog => Algorithm::SlidingLog(SlidingLog::new(quota)),
+            AlgorithmKind::Concurrency => {
+                let slots = config
+                    .concurrency
+                    .unwrap_or(crate::config::ConcurrencyConfig {
+                        max_in_flight: rate.count,
+                        lease: rate.period,
+                        retry_after: rate.period,
+                    });
+                Algorithm::Concurrency(Concurrency::new(
+                    slots.max_in_flight,
+                    super::micros(slots.retry_after),
+                    super::micros(slots.lease),
+                ))
+            }
         },
         policy,
         count: rate.count,

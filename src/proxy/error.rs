@@ -254,6 +254,11 @@ fn too_many_requests(
 #[inline]
 fn rate_fields(out: &mut impl AnswerWriter, limit: &Limit, rate: u16, r: &Rejection) {
     out.field_with(&RETRY_AFTER, |v| push_u64(v, retry_after_secs(r)));
+    if limit.algorithm.is_concurrency() {
+        // The IETF fields describe a rate; a concurrency limit has slots, and says when to
+        // come back in `Retry-After` only.
+        return;
+    }
     out.field(&RATELIMIT_POLICY, limit.rate(rate).policy.as_bytes());
     out.field_with(&RATELIMIT, |v| {
         push_ratelimit(v, limit, r.remaining, r.retry_after)
@@ -281,7 +286,7 @@ fn custom_rejection(
     out.status(custom.status);
     out.field(&CONTENT_TYPE, custom.content_type.as_bytes());
     rate_fields(out, limit, rate, r);
-    if custom.legacy_headers {
+    if custom.legacy_headers && !limit.algorithm.is_concurrency() {
         for (name, n) in legacy_fields(limit.rate(rate), r.remaining, r.reset_after) {
             out.field_with(name, |v| push_u64(v, n));
         }

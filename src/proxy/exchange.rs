@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::limit::Held;
 use crate::metrics::Histogram;
 use crate::snapshot::ConfigSnapshot;
 
@@ -18,6 +19,9 @@ pub(crate) struct ExchangeEnd {
     /// Index of the route, once routed; `None` counts under `_unmatched`.
     route: Option<usize>,
     started: Instant,
+    /// What the admitted request holds until it ends: its concurrency slots, given back when
+    /// the exchange ends (dropped with the guard).
+    held: Held,
     /// Set once ended, so the drop does nothing more.
     ended: bool,
 }
@@ -30,6 +34,7 @@ impl ExchangeEnd {
             snapshot,
             route: None,
             started,
+            held: Held::default(),
             ended: false,
         }
     }
@@ -50,6 +55,18 @@ impl ExchangeEnd {
     #[inline]
     pub(crate) fn routed(&mut self, idx: usize) {
         self.route = Some(idx);
+    }
+
+    /// The admitted request's slots, held until the exchange ends.
+    #[inline]
+    pub(crate) fn hold(&mut self, held: Held) {
+        self.held = held;
+    }
+
+    /// The slots, taken out to be held elsewhere: by an upgraded connection's tunnel, which
+    /// outlives the exchange (its 101 response has no body to hold them).
+    pub(crate) fn take_held(&mut self) -> Held {
+        std::mem::take(&mut self.held)
     }
 
     /// The answer's head went out with `status`: counted in `tollgate_requests_total`.
@@ -82,6 +99,9 @@ impl ExchangeEnd {
         }
         self.histogram()
             .observe(now.saturating_duration_since(self.started));
+        if !self.held.is_empty() {
+            self.held.release();
+        }
     }
 }
 

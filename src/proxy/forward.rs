@@ -22,6 +22,7 @@ use hyper::body::Incoming;
 
 use super::deadline::BodyDeadline;
 use super::error::ProxyError;
+use super::exchange::ExchangeEnd;
 use super::forwarding::{self, RequestRule, ResponseRule};
 use super::headers::{self, MapEdit};
 use super::pipeline::Tries;
@@ -32,6 +33,7 @@ use crate::snapshot::{ConfigSnapshot, Route, Upstream};
 
 /// Phase 4 on the hyper codec: the request rewritten by the header rules, sent to the route's
 /// upstreams in order, and the response head filtered back by the response rule.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn forward(
     gateway: &Gateway,
     route: &Route,
@@ -40,6 +42,7 @@ pub(crate) async fn forward(
     rt: &ConfigSnapshot,
     id: &HeaderValue,
     info: Option<HeaderInfo>,
+    end: &mut ExchangeEnd,
 ) -> Result<Response<Body>, ProxyError> {
     // The client gets its own protocol version back, whatever the upstream spoke (an HTTP/1.0
     // upstream must not turn a keep-alive HTTP/1.1 client connection into a closing one).
@@ -156,8 +159,11 @@ pub(crate) async fn forward(
                 let upstream_upgrade = hyper::upgrade::on(&mut resp);
                 let open = gateway.tunnels.open();
                 let route = route.name.clone();
+                // The request's concurrency slots are held while the connection stays open.
+                let held = end.take_held();
                 tokio::spawn(async move {
                     tunnel(client_upgrade, upstream_upgrade, route).await;
+                    drop(held);
                     drop(open);
                 });
             }

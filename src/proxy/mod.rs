@@ -28,7 +28,7 @@ use self::error::ProxyError;
 use crate::connector::Connector;
 use crate::key::RequestParts;
 use crate::limit::clock::SharedClock;
-use crate::limit::{Context, HeaderInfo, Verdict};
+use crate::limit::{Context, HeaderInfo, Held, Verdict};
 use crate::metrics::Metrics;
 use crate::snapshot::{ConfigSnapshot, Route};
 
@@ -68,6 +68,7 @@ impl Gateway {
                 delay: std::time::Duration::ZERO,
                 delayed_by: None,
                 waiter: None,
+                held: Held::default(),
             });
         }
         // A slot in the route's waiter cap is taken before deciding, so a request that would
@@ -89,10 +90,12 @@ impl Gateway {
                 .map_or(std::time::Duration::ZERO, |r| r.timeout),
             redis: rt.redis.as_ref(),
             on_error: rt.on_error,
+            leases: rt.leases.as_ref(),
             allow_delay,
             metrics: &self.metrics,
         };
-        match limits.evaluate(parts, &cx).await {
+        let (verdict, held) = limits.evaluate_held(parts, &cx).await;
+        match verdict {
             Verdict::Reject {
                 limit,
                 rate,
@@ -125,18 +128,21 @@ impl Gateway {
                 delay,
                 delayed_by,
                 waiter,
+                held,
             }),
         }
     }
 }
 
 /// An admitted request: forward it after `delay` (its reserved slot), holding `waiter` until
-/// then; `info` is the limit whose `RateLimit` fields the response carries.
+/// then; `info` is the limit whose `RateLimit` fields the response carries; `held` (its
+/// concurrency slots) is kept until the exchange ends.
 pub(crate) struct Admitted<'r> {
     pub info: Option<HeaderInfo>,
     pub delay: std::time::Duration,
     pub delayed_by: Option<usize>,
     pub waiter: Option<WaiterSlot<'r>>,
+    pub held: Held,
 }
 
 /// A place in a route's cap of waiting requests, released on drop.

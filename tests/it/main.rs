@@ -6,6 +6,7 @@ mod support;
 
 mod admin;
 mod cli;
+mod concurrency;
 mod consumer_keys;
 mod delay;
 mod eventual;

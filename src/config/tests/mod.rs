@@ -1,5 +1,6 @@
 //! Every validation rule with its exact position, and the shipped files.
 
+mod after;
 mod consumers;
 mod errors;
 mod limits;

@@ -73,6 +73,7 @@ fn spec_limit() -> LimitConfig {
         overrides: Vec::new(),
         overrides_file: None,
         shared: false,
+        concurrency: None,
     }
 }
 
@@ -223,6 +224,7 @@ fn defaults_are_applied() {
                 overrides: Vec::new(),
                 overrides_file: None,
                 shared: false,
+                concurrency: None,
             }],
             rejection: None,
         }
@@ -259,6 +261,7 @@ fn defaults_are_applied() {
             overrides: Vec::new(),
             overrides_file: None,
             shared: false,
+            concurrency: None,
         }
     );
     assert_eq!(prefix.matcher.path, PathMatch::Prefix("/static".into()));

@@ -10,11 +10,13 @@
 //! (`TIME`), the process start for local limits. Microseconds since 1970 stay below 2^53, so Lua's
 //! doubles hold every value the Rust side computes exactly.
 
+pub mod concurrency;
 pub mod fixed_window;
 pub mod gcra;
 pub mod sliding_log;
 pub mod sliding_window;
 
+pub use concurrency::{Concurrency, ConcurrencyState};
 pub use fixed_window::{FixedWindow, WindowState};
 pub use gcra::{Gcra, GcraState};
 pub use sliding_log::{LogState, SlidingLog};
@@ -66,6 +68,8 @@ pub enum Algorithm {
     SlidingWindow(SlidingWindow),
     /// `sliding_log`.
     SlidingLog(SlidingLog),
+    /// `concurrency`: slots held, not a rate.
+    Concurrency(Concurrency),
 }
 
 /// Per-key state of any algorithm. A fresh key starts from [`Algorithm::new_state`] ("full").
@@ -80,6 +84,8 @@ pub enum State {
     /// Boxed: a log is rare and large; inline it would make every key's state (in every
     /// store entry, for every algorithm) as big as a `VecDeque`.
     SlidingLog(Box<LogState>),
+    /// State of a [`Concurrency`] limit.
+    Concurrency(ConcurrencyState),
 }
 
 /// Runs `$body` with the algorithm and a reference to its own kind of state. A key holding
@@ -117,6 +123,13 @@ macro_rules! with_state {
                     $body
                 }
             },
+            Algorithm::Concurrency($a) => match $state {
+                State::Concurrency($s) => $body,
+                _ => {
+                    let $s = &$a.new_state();
+                    $body
+                }
+            },
         }
     };
 }
@@ -129,6 +142,7 @@ impl Algorithm {
             Algorithm::FixedWindow(a) => a.quota(),
             Algorithm::SlidingWindow(a) => a.quota(),
             Algorithm::SlidingLog(a) => a.quota(),
+            Algorithm::Concurrency(a) => a.quota(),
         }
     }
 
@@ -140,6 +154,7 @@ impl Algorithm {
             Algorithm::FixedWindow(a) => State::FixedWindow(a.new_state()),
             Algorithm::SlidingWindow(a) => State::SlidingWindow(a.new_state()),
             Algorithm::SlidingLog(a) => State::SlidingLog(Box::new(a.new_state())),
+            Algorithm::Concurrency(a) => State::Concurrency(a.new_state()),
         }
     }
 
@@ -190,7 +205,31 @@ impl Algorithm {
                     a.commit(s, now, cost);
                 }
             }
+            Algorithm::Concurrency(a) => {
+                if !matches!(state, State::Concurrency(_)) {
+                    *state = State::Concurrency(a.new_state());
+                }
+                if let State::Concurrency(s) = state {
+                    a.commit(s, now, cost);
+                }
+            }
         }
+    }
+
+    /// Gives back `cost` slots a concurrency limit's [`Algorithm::commit`] took; nothing for the
+    /// rate algorithms (whose units come back with time) or a state of another kind.
+    #[inline]
+    pub fn release(&self, state: &mut State, cost: u64) {
+        if let (Algorithm::Concurrency(a), State::Concurrency(s)) = (self, state) {
+            a.release(s, cost);
+        }
+    }
+
+    /// Whether this is a concurrency limit (slots, not a rate): it sends no `RateLimit` fields,
+    /// and its slots are given back when the request ends.
+    #[inline]
+    pub fn is_concurrency(&self) -> bool {
+        matches!(self, Algorithm::Concurrency(_))
     }
 
     /// What the `RateLimit` fields and the admin endpoint report without a request.
@@ -212,6 +251,7 @@ impl Algorithm {
             Algorithm::FixedWindow(a) => a.max_cost(),
             Algorithm::SlidingWindow(a) => a.max_cost(),
             Algorithm::SlidingLog(a) => a.max_cost(),
+            Algorithm::Concurrency(a) => a.max_cost(),
         }
     }
 
@@ -222,6 +262,7 @@ impl Algorithm {
             Algorithm::FixedWindow(a) => a.can_reserve(),
             Algorithm::SlidingWindow(a) => a.can_reserve(),
             Algorithm::SlidingLog(a) => a.can_reserve(),
+            Algorithm::Concurrency(a) => a.can_reserve(),
         }
     }
 

@@ -11,6 +11,7 @@
 //! "a rejected request consumes from none" exact, which governor cannot do (it consumes on check).
 
 pub mod deny;
+mod release;
 pub mod sharded;
 
 use smallvec::SmallVec;

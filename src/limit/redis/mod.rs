@@ -465,6 +465,20 @@ impl RedisStore {
         shadow: &[bool],
         now_override: Option<Micros>,
     ) -> Result<Decision, RedisError> {
+        self.decide_leasing(limits, shadow, &[], now_override).await
+    }
+
+    /// [`RedisStore::decide_with_shadows`] where `leases[i]` (missing: 0) is the lease id a
+    /// concurrency limit's slot is taken under, when the request is admitted: what
+    /// [`RedisStore::release_leases`] later gives back. A concurrency limit's rejection says
+    /// its own `retry_after`.
+    pub async fn decide_leasing(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+        leases: &[u64],
+        now_override: Option<Micros>,
+    ) -> Result<Decision, RedisError> {
         if limits.is_empty() {
             return Ok(Decision {
                 admitted: true,
@@ -473,18 +487,79 @@ impl RedisStore {
         }
         self.inner.check_breaker()?;
         let groups = self.groups(limits);
-        if groups.len() == 1 {
+        let mut decision = if groups.len() == 1 {
             let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
-            let (keys, args) = script::decide_call(&all, shadow, now_override)?;
+            let (keys, args) = script::decide_call(&all, shadow, leases, now_override)?;
             let reply = self.inner.eval(Call::Decide, keys, args).await?;
             let reply = script::decode_decide(&reply, limits.len(), shadow)?;
-            return Ok(Decision {
+            Decision {
                 admitted: reply.admitted,
                 per_limit: reply.per_limit,
-            });
+            }
+        } else {
+            self.decide_split(limits, shadow, leases, groups, now_override)
+                .await?
+        };
+        for (l, v) in limits.iter().zip(&mut decision.per_limit) {
+            if let (Algorithm::Concurrency(c), LimitVerdict::Rejected(r)) = (l.algorithm, v) {
+                r.retry_after = c.retry_after();
+            }
         }
-        self.decide_split(limits, shadow, groups, now_override)
-            .await
+        Ok(decision)
+    }
+
+    /// Gives back concurrency leases (`(lease set, lease id)`) whose requests ended, one
+    /// script call per hash slot: per lease, whether it was still held (`false`: it had run out
+    /// before, or its key was reset). Fails fast while the breaker is open (the lease then runs
+    /// out by itself).
+    pub async fn release_leases(&self, leases: &[(String, u64)]) -> Result<Vec<bool>, RedisError> {
+        self.inner.check_breaker()?;
+        let mut held = vec![false; leases.len()];
+        for group in self.lease_groups(leases.iter().map(|(k, _)| k.as_str())) {
+            let part: Vec<(String, u64)> = group.iter().map(|&i| leases[i].clone()).collect();
+            let (keys, args) = script::release_call(&part, None)?;
+            let reply = self.inner.eval(Call::Release, keys, args).await?;
+            for (i, f) in group.iter().zip(script::decode_flags(&reply, part.len())?) {
+                held[*i] = f;
+            }
+        }
+        Ok(held)
+    }
+
+    /// Renews leases (`(lease set, lease id, lease length µs)`) whose requests still run, one
+    /// script call per hash slot: per lease, whether it was renewed (`false`: it had already
+    /// run out, and its slot is free).
+    pub async fn renew_leases(
+        &self,
+        leases: &[(String, u64, Micros)],
+    ) -> Result<Vec<bool>, RedisError> {
+        self.inner.check_breaker()?;
+        let mut renewed = vec![false; leases.len()];
+        for group in self.lease_groups(leases.iter().map(|(k, ..)| k.as_str())) {
+            let part: Vec<(String, u64, Micros)> =
+                group.iter().map(|&i| leases[i].clone()).collect();
+            let (keys, args) = script::renew_call(&part, None)?;
+            let reply = self.inner.eval(Call::Renew, keys, args).await?;
+            for (i, f) in group.iter().zip(script::decode_flags(&reply, part.len())?) {
+                renewed[*i] = f;
+            }
+        }
+        Ok(renewed)
+    }
+
+    /// Indices of `keys` per script call: one group on a single Redis, one per hash slot on a
+    /// cluster.
+    fn lease_groups<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Vec<Vec<usize>> {
+        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, key) in keys.enumerate() {
+            let slot = if self.inner.cluster {
+                fred::util::redis_keyslot(key.as_bytes())
+            } else {
+                0
+            };
+            by_slot.entry(slot).or_default().push(i);
+        }
+        by_slot.into_values().collect()
     }
 
     /// Indices of `limits` per script call: one group on a single Redis, one per hash slot
@@ -511,6 +586,7 @@ impl RedisStore {
         &self,
         limits: &[GlobalLimit<'_>],
         shadow: &[bool],
+        leases: &[u64],
         groups: Vec<Vec<usize>>,
         now_override: Option<Micros>,
     ) -> Result<Decision, RedisError> {
@@ -522,11 +598,24 @@ impl RedisStore {
                 .iter()
                 .map(|&i| shadow.get(i).copied().unwrap_or(false))
                 .collect();
-            let decide = script::decide_call(&members, &flags, now_override)?;
-            let decide = (decide, flags);
-            let refunds: Vec<(Algorithm, String, u64, Micros)> = members
+            let ids: Vec<u64> = group
                 .iter()
-                .map(|l| (l.algorithm.clone(), l.key.to_string(), l.cost, l.max_delay))
+                .map(|&i| leases.get(i).copied().unwrap_or(0))
+                .collect();
+            let decide = script::decide_call(&members, &flags, &ids, now_override)?;
+            let decide = (decide, flags);
+            let refunds: Vec<(Algorithm, String, u64, Micros, u64)> = members
+                .iter()
+                .zip(&ids)
+                .map(|(l, &id)| {
+                    (
+                        l.algorithm.clone(),
+                        l.key.to_string(),
+                        l.cost,
+                        l.max_delay,
+                        id,
+                    )
+                })
                 .collect();
             calls.push((decide, refunds));
         }
@@ -565,7 +654,7 @@ impl RedisStore {
                         .zip(&reply.per_limit)
                         .filter(|(_, v)| v.is_admitted())
                         .map(|(l, _)| l.clone());
-                    for (algorithm, key, cost, max_delay) in committed {
+                    for (algorithm, key, cost, max_delay, lease) in committed {
                         let inner = Arc::clone(&inner);
                         let at = reply.now;
                         refunds.spawn(async move {
@@ -575,7 +664,7 @@ impl RedisStore {
                                 cost,
                                 max_delay,
                             };
-                            let result = match script::refund_call(&limit, at, now_override) {
+                            let result = match script::refund_call(&limit, at, lease, now_override) {
                                 Ok((keys, args)) => inner.eval(Call::Refund, keys, args).await.map(|_| ()),
                                 Err(e) => Err(e),
                             };
@@ -645,7 +734,7 @@ impl RedisStore {
         now_override: Option<Micros>,
     ) -> Result<bool, RedisError> {
         self.inner.check_breaker()?;
-        let (keys, args) = script::refund_call(limit, committed_at, now_override)?;
+        let (keys, args) = script::refund_call(limit, committed_at, 0, now_override)?;
         let reply = self.inner.eval(Call::Refund, keys, args).await?;
         Ok(reply.first() == Some(&1))
     }

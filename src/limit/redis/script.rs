@@ -49,6 +49,19 @@ pub const PEEK_LUA: &str = concat!(
     include_str!("lua/peek.lua")
 );
 
+/// `release.lua` as sent: gives back concurrency leases whose requests ended.
+pub(super) const RELEASE_LUA: &str = concat!(
+    include_str!("lua/gcra.lua"),
+    "\n",
+    include_str!("lua/release.lua")
+);
+/// `renew.lua` as sent: moves on the expiry of leases whose requests still run.
+pub(super) const RENEW_LUA: &str = concat!(
+    include_str!("lua/gcra.lua"),
+    "\n",
+    include_str!("lua/renew.lua")
+);
+
 /// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
 pub(super) const SYNC_LUA: &str = include_str!("lua/sync.lua");
 /// The same for a gcra key: adds this instance's units to the shared TAT.
@@ -69,7 +82,7 @@ const SERVER_CLOCK: i64 = -1;
 pub const LIBRARY_LUA: &str = include_str!("lua/library.lua");
 
 /// The files library.lua includes, by the name its `--@` lines give.
-const LIBRARY_PARTS: [(&str, &str); 8] = [
+const LIBRARY_PARTS: [(&str, &str); 10] = [
     ("gcra.lua", include_str!("lua/gcra.lua")),
     ("lib.lua", include_str!("lua/lib.lua")),
     ("decide_gcra.lua", include_str!("lua/decide_gcra.lua")),
@@ -78,6 +91,8 @@ const LIBRARY_PARTS: [(&str, &str); 8] = [
     ("peek.lua", include_str!("lua/peek.lua")),
     ("sync.lua", include_str!("lua/sync.lua")),
     ("sync_gcra.lua", include_str!("lua/sync_gcra.lua")),
+    ("release.lua", include_str!("lua/release.lua")),
+    ("renew.lua", include_str!("lua/renew.lua")),
 ];
 
 /// The function library as loaded with `FUNCTION LOAD`: its name carries a digest of its code,
@@ -90,7 +105,7 @@ pub struct Library {
     /// What `FUNCTION LOAD` gets: the `#!lua name=` line, `local LIB = '<name>'`, the code.
     pub source: String,
     /// Function names, in [`Call`] order.
-    functions: [String; 5],
+    functions: [String; 7],
 }
 
 /// library.lua with its `--@` lines replaced by the files they name. bench/library_lua.sh does
@@ -152,15 +167,19 @@ pub enum Call {
     Peek = 2,
     Sync = 3,
     SyncGcra = 4,
+    Release = 5,
+    Renew = 6,
 }
 
 impl Call {
-    const ALL: [Call; 5] = [
+    const ALL: [Call; 7] = [
         Call::Decide,
         Call::Refund,
         Call::Peek,
         Call::Sync,
         Call::SyncGcra,
+        Call::Release,
+        Call::Renew,
     ];
 
     /// The function's name in library.lua, after the library's name and `_`.
@@ -171,6 +190,8 @@ impl Call {
             Call::Peek => "peek",
             Call::Sync => "sync",
             Call::SyncGcra => "sync_gcra",
+            Call::Release => "release",
+            Call::Renew => "renew",
         }
     }
 }
@@ -194,6 +215,8 @@ pub(super) struct Scripts {
     peek: Script,
     sync: Script,
     sync_gcra: Script,
+    release: Script,
+    renew: Script,
     library: &'static Library,
     /// Set when forced to, or once Redis turned `FCALL` or `FUNCTION LOAD` down as unknown (or
     /// not permitted): from then on every call is an EVALSHA, which every Redis has.
@@ -229,6 +252,8 @@ impl Scripts {
             peek: Script::from_lua(PEEK_LUA),
             sync: Script::from_lua(SYNC_LUA),
             sync_gcra: Script::from_lua(SYNC_GCRA_LUA),
+            release: Script::from_lua(RELEASE_LUA),
+            renew: Script::from_lua(RENEW_LUA),
             library: library(),
             evalsha_only: AtomicBool::new(path == ScriptPath::Evalsha),
         }
@@ -249,6 +274,8 @@ impl Scripts {
             Call::Peek => &self.peek,
             Call::Sync => &self.sync,
             Call::SyncGcra => &self.sync_gcra,
+            Call::Release => &self.release,
+            Call::Renew => &self.renew,
         }
     }
 
@@ -326,6 +353,7 @@ fn algo_code(algorithm: &Algorithm) -> i64 {
         Algorithm::FixedWindow(_) => 2,
         Algorithm::SlidingWindow(_) => 3,
         Algorithm::SlidingLog(_) => 4,
+        Algorithm::Concurrency(_) => 5,
     }
 }
 
@@ -337,6 +365,7 @@ fn suffixes(algorithm: &Algorithm) -> &'static [&'static str] {
         Algorithm::FixedWindow(_) => &[":fw"],
         Algorithm::SlidingWindow(_) => &[":sw"],
         Algorithm::SlidingLog(_) => &[":log", ":log:meta"],
+        Algorithm::Concurrency(_) => &[":slots"],
     }
 }
 
@@ -394,16 +423,22 @@ pub fn check_params(algorithm: &Algorithm, cost: u64, max_delay: Micros) -> Resu
     Ok(())
 }
 
-/// Appends one limit's 6 ARGV values.
-fn push_limit(args: &mut Vec<i64>, limit: &GlobalLimit<'_>) -> Result<(), RedisError> {
+/// Appends one limit's 6 ARGV values; `lease` is a concurrency limit's lease id (in the
+/// `burst` place, which concurrency has no use for), ignored for the other algorithms.
+fn push_limit(args: &mut Vec<i64>, limit: &GlobalLimit<'_>, lease: u64) -> Result<(), RedisError> {
     check_params(limit.algorithm, limit.cost, limit.max_delay).map_err(RedisError::Script)?;
     let q = limit.algorithm.quota();
+    let burst = if limit.algorithm.is_concurrency() {
+        lease.min(MAX_PARAM)
+    } else {
+        q.burst
+    };
     // check_params bounds every value by 2^50, so the casts are lossless.
     args.extend([
         algo_code(limit.algorithm),
         q.count as i64,
         q.period as i64,
-        q.burst as i64,
+        burst as i64,
         limit.cost as i64,
         limit.max_delay as i64,
     ]);
@@ -430,10 +465,12 @@ fn ttl_floor_ms(now_override: Option<Micros>) -> i64 {
 }
 
 /// KEYS and ARGV of one decide.lua call over `limits`; `shadow[i]` (missing: false) marks a
-/// shadow limit, whose rejection does not stop the others.
+/// shadow limit, whose rejection does not stop the others; `leases[i]` (missing: 0) is a
+/// concurrency limit's lease id.
 pub(super) fn decide_call(
     limits: &[&GlobalLimit<'_>],
     shadow: &[bool],
+    leases: &[u64],
     now_override: Option<Micros>,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let mut keys = Vec::with_capacity(limits.len() * 2);
@@ -445,16 +482,18 @@ pub(super) fn decide_call(
     ]);
     for (i, limit) in limits.iter().enumerate() {
         keys.extend(redis_keys(limit.key, limit.algorithm));
-        push_limit(&mut args, limit)?;
+        push_limit(&mut args, limit, leases.get(i).copied().unwrap_or(0))?;
         args.push(i64::from(shadow.get(i).copied().unwrap_or(false)));
     }
     Ok((keys, args))
 }
 
-/// KEYS and ARGV of one refund.lua call undoing `limit`'s commit taken at `committed_at`.
+/// KEYS and ARGV of one refund.lua call undoing `limit`'s commit taken at `committed_at`
+/// (for a concurrency limit, removing lease `lease`).
 pub(super) fn refund_call(
     limit: &GlobalLimit<'_>,
     committed_at: Micros,
+    lease: u64,
     now_override: Option<Micros>,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let mut args = vec![
@@ -462,7 +501,7 @@ pub(super) fn refund_call(
         ttl_floor_ms(now_override),
         now_arg(Some(committed_at))?,
     ];
-    push_limit(&mut args, limit)?;
+    push_limit(&mut args, limit, lease)?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 
@@ -472,8 +511,43 @@ pub(super) fn peek_call(
     now_override: Option<Micros>,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let mut args = vec![now_arg(now_override)?];
-    push_limit(&mut args, limit)?;
+    push_limit(&mut args, limit, 0)?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
+}
+
+/// KEYS and ARGV of one release.lua call: each `(lease set, lease id)`.
+pub(super) fn release_call(
+    leases: &[(String, u64)],
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    let mut args = Vec::with_capacity(1 + leases.len());
+    args.push(now_arg(now_override)?);
+    args.extend(leases.iter().map(|(_, id)| (*id).min(MAX_PARAM) as i64));
+    Ok((leases.iter().map(|(k, _)| k.clone()).collect(), args))
+}
+
+/// KEYS and ARGV of one renew.lua call: each `(lease set, lease id, lease length)`.
+pub(super) fn renew_call(
+    leases: &[(String, u64, Micros)],
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    let mut args = Vec::with_capacity(2 + 2 * leases.len());
+    args.extend([now_arg(now_override)?, ttl_floor_ms(now_override)]);
+    for (_, id, lease) in leases {
+        args.extend([(*id).min(MAX_PARAM) as i64, (*lease).min(MAX_PARAM) as i64]);
+    }
+    Ok((leases.iter().map(|(k, ..)| k.clone()).collect(), args))
+}
+
+/// release.lua's or renew.lua's reply: one flag per lease.
+pub(super) fn decode_flags(reply: &[i64], n: usize) -> Result<Vec<bool>, RedisError> {
+    if reply.len() != n {
+        return Err(RedisError::Protocol(format!(
+            "{} lease flags for {n} leases",
+            reply.len()
+        )));
+    }
+    reply.iter().map(|&v| flag(v, "lease")).collect()
 }
 
 /// decide.lua's reply for `n` limits.
@@ -700,7 +774,7 @@ mod tests {
             cost: 1,
             max_delay: 0,
         };
-        let (keys, args) = decide_call(&[&a, &b], &[false, true], Some(42)).unwrap();
+        let (keys, args) = decide_call(&[&a, &b], &[false, true], &[], Some(42)).unwrap();
         assert_eq!(
             keys,
             ["tg:{r/a/x}:gcra", "tg:{r/b/x}:log", "tg:{r/b/x}:log:meta"]
@@ -711,7 +785,7 @@ mod tests {
                 42, 86_400_000, 2, 1, 10, 1_000_000, 5, 2, 7, 0, 4, 3, 1000, 3, 1, 0, 1
             ]
         );
-        assert_eq!(decide_call(&[&a], &[], None).unwrap().1[..2], [-1, 1]);
+        assert_eq!(decide_call(&[&a], &[], &[], None).unwrap().1[..2], [-1, 1]);
 
         let reply = [0, 99, 1, 3, 400, 0, 0, 0, 1000, 250];
         let d = decode_decide(&reply, 2, &[]).unwrap();

@@ -76,6 +76,7 @@ impl GlobalStore for FakeStore<'_> {
         &self,
         limits: &[GlobalLimit<'_>],
         shadow: &[bool],
+        _leases: &[u64],
     ) -> Result<Decision, RedisError> {
         self.decides.fetch_add(1, Ordering::SeqCst);
         // Parked first: a call that fails (a timeout) takes its time too.

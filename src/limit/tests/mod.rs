@@ -75,6 +75,7 @@ fn context<'a, G>(
         probe_wait: Duration::from_millis(50),
         redis: store,
         on_error,
+        leases: None,
         allow_delay: true,
         metrics,
     }

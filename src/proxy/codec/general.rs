@@ -148,7 +148,9 @@ async fn exchange(
         .map(|h| h.map(str::as_bytes));
     let idx = pipeline::route(end.snapshot(), req.method(), host, req.uri().path())?;
     end.routed(idx);
-    let rt = &**end.snapshot();
+    // Its own handle on the snapshot: the guard is written to below (the slots it holds).
+    let snapshot = Arc::clone(end.snapshot());
+    let rt = &*snapshot;
     let route = &rt.routes[idx];
     let client = client_ip(peer.ip(), req.headers(), &rt.trusted_proxies);
     let parts = RequestParts {
@@ -165,9 +167,12 @@ async fn exchange(
         delay,
         delayed_by,
         waiter,
+        held,
     } = gateway
         .admit(rt, route, &parts, request_id::LogId(id.as_bytes()))
         .await?;
+    // Until the exchange ends: the response body sent, or dropped (see `guarded`).
+    end.hold(held);
     if !delay.is_zero() {
         // Dropped (client gone) before the slot comes: the reserved slot stays consumed, and
         // the abandonment is counted.
@@ -177,7 +182,7 @@ async fn exchange(
     }
     drop(waiter);
     let info = info.filter(|_| route.headers);
-    forward::forward(gateway, route, req, peer, rt, id, info).await
+    forward::forward(gateway, route, req, peer, rt, id, info, end).await
 }
 
 /// The response with the exchange's end attached: at once for a body already over, else when

@@ -9,14 +9,16 @@
 -- that can exceed it (sliding_window's count × period) goes through muldiv below.
 --
 -- Per-limit parameters (6 ARGV values, in this order):
---   algo       1 gcra | 2 fixed_window | 3 sliding_window | 4 sliding_log
---   count      units per period (> 0)
---   period     µs (> 0)
---   burst      gcra: units takeable at once from a full bucket; ignored by the others
+--   algo       1 gcra | 2 fixed_window | 3 sliding_window | 4 sliding_log | 5 concurrency
+--   count      units per period (> 0); concurrency: max_in_flight
+--   period     µs (> 0); concurrency: the lease's length
+--   burst      gcra: units takeable at once from a full bucket; concurrency: this request's
+--              lease id (< 2^50, chosen by the instance); ignored by the others
 --   cost       units this request takes
 --   max_delay  gcra: admit with a delay up to this many µs (0 = never); ignored by the others
 -- Keys per limit: sliding_log 2 (zset of entries, hash {sum, seq}); the others 1
--- (gcra: string = tat; fixed_window: hash {s, c}; sliding_window: hash {s, c, p}).
+-- (gcra: string = tat; fixed_window: hash {s, c}; sliding_window: hash {s, c, p};
+-- concurrency: zset of lease ids scored by their expiry).
 
 -- Keys live until their state is back to full, so idle keys cost no memory. A key already
 -- full is deleted rather than kept for a millisecond.
@@ -59,7 +61,7 @@ local function read_limits(n, at, shadow)
     if not (l.algo and l.count and l.period and l.burst and l.cost and l.max_delay) then
       error('tollgate: malformed arguments for limit ' .. i)
     end
-    if l.algo < 1 or l.algo > 4 then
+    if l.algo < 1 or l.algo > 5 then
       error('tollgate: unknown algorithm ' .. tostring(l.algo))
     end
     if l.keys[#l.keys] == nil then
@@ -487,6 +489,46 @@ BUILD[4] = function()
         end
         offset = offset + #page
       end
+    end,
+  }
+end
+
+-- concurrency ------------------------------------------------------------------------------
+-- Slots are leases: the members of a sorted set, each a lease id scored by the instant (Redis
+-- TIME) its lease runs out. The instance holding one renews it while its request runs
+-- (renew.lua) and removes it when the request ends (release.lua); a member past its score
+-- belongs to an instance that stopped renewing it (it died), and is no longer counted. Expired
+-- members are trimmed by the commits and releases that write the key, and the key expires with
+-- its last lease. A rejection's retry_after is the limit's own, which the caller fills in.
+
+BUILD[5] = function()
+  local function held(l, now)
+    return redis.call('ZCOUNT', l.keys[1], '(' .. fmt(now), '+inf')
+  end
+
+  ALG[5] = {
+    load = function(_)
+      return {}
+    end,
+    check = function(l, _, now)
+      local n = held(l, now)
+      if n + l.cost <= l.count then
+        return 1, l.count - n - l.cost, 0, 0
+      end
+      return 0, math.max(0, l.count - n), 0, 0
+    end,
+    commit = function(l, _, now, floor_ms)
+      redis.call('ZREMRANGEBYSCORE', l.keys[1], '-inf', fmt(now))
+      redis.call('ZADD', l.keys[1], fmt(now + l.period), fmt(l.burst))
+      -- Every lease of the key has the same length, so the newest runs out last.
+      redis.call('PEXPIRE', l.keys[1], math.max(1, fdiv(l.period + 999, 1000), floor_ms))
+    end,
+    peek = function(l, _, now)
+      return math.max(0, l.count - held(l, now)), 0
+    end,
+    -- Cluster reserve-then-refund: the lease taken is removed.
+    refund = function(l, _, _, _)
+      return redis.call('ZREM', l.keys[1], fmt(l.burst))
     end,
   }
 end

@@ -23,12 +23,14 @@
 --              read-only replica)
 --   sync       sync.lua
 --   sync_gcra  sync_gcra.lua
+--   release    release.lua
+--   renew      renew.lua
 
 local KEYS, ARGV
 
 -- A library has no setmetatable, which lib.lua uses to build each algorithm on its first use
 -- (a saving for EVALSHA, where every call starts from nothing); here lib.lua's call is a no-op
--- and all four are built once, below.
+-- and all five are built once, below.
 local function setmetatable(t)
   return t
 end
@@ -36,7 +38,7 @@ end
 --@ gcra.lua
 --@ lib.lua
 
-for code = 1, 4 do
+for code = 1, 5 do
   BUILD[code]()
 end
 
@@ -66,8 +68,20 @@ local function sync_gcra(keys, args)
 --@ sync_gcra.lua
 end
 
+local function release(keys, args)
+  KEYS, ARGV = keys, args
+--@ release.lua
+end
+
+local function renew(keys, args)
+  KEYS, ARGV = keys, args
+--@ renew.lua
+end
+
 redis.register_function(LIB .. '_decide', decide)
 redis.register_function(LIB .. '_refund', refund)
 redis.register_function{ function_name = LIB .. '_peek', callback = peek, flags = { 'no-writes' } }
 redis.register_function(LIB .. '_sync', sync)
 redis.register_function(LIB .. '_sync_gcra', sync_gcra)
+redis.register_function(LIB .. '_release', release)
+redis.register_function(LIB .. '_renew', renew)

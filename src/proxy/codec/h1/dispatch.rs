@@ -108,6 +108,9 @@ impl<S: ClientIo> Conn<S> {
             Ok(a) => a,
             Err(e) => return self.fail(&e, end, head, bytes, rid).await,
         };
+        // Held on this exchange's stack, beside its end guard: the slots go back when this
+        // returns, the response sent (or the client gone, or the upstream failed).
+        let _held = admitted.held;
         if !admitted.delay.is_zero() {
             // A client that leaves before its slot: the slot stays consumed, the abandonment
             // is counted (the guard), nothing is forwarded.

@@ -1,0 +1,150 @@
+//! Limits that end after the response: concurrency slots, their fields and what they refuse.
+
+use std::time::Duration;
+
+use super::super::types::{AlgorithmKind, Scope};
+use super::{assert_err, ok, with_limit, with_redis_limit};
+
+const SLOTS: &str = "algorithm: concurrency";
+
+#[test]
+fn a_concurrency_limit_and_its_defaults() {
+    let cfg = ok(&with_limit(&[SLOTS, "max_in_flight: 4"]));
+    let l = &cfg.routes[0].limits[0];
+    assert_eq!(l.algorithm, AlgorithmKind::Concurrency);
+    assert_eq!(l.scope, Scope::Local);
+    let slots = l.concurrency.expect("slots");
+    assert_eq!(slots.max_in_flight, 4);
+    assert_eq!(slots.lease, Duration::from_secs(60));
+    assert_eq!(slots.retry_after, Duration::from_secs(1));
+    let cfg = ok(&with_redis_limit(&[
+        SLOTS,
+        "max_in_flight: 2",
+        "lease: 90s",
+        "retry_after: 500ms",
+    ]));
+    let l = &cfg.routes[0].limits[0];
+    assert_eq!(l.scope, Scope::Global);
+    let slots = l.concurrency.expect("slots");
+    assert_eq!(
+        (slots.lease, slots.retry_after),
+        (Duration::from_secs(90), Duration::from_millis(500))
+    );
+}
+
+#[test]
+fn a_concurrency_limit_needs_max_in_flight() {
+    assert_err(&with_limit(&[SLOTS]), 5, 9, "has no `max_in_flight`");
+    assert_err(
+        &with_limit(&[SLOTS, "max_in_flight: 0"]),
+        7,
+        24,
+        "max_in_flight must be between 1 and",
+    );
+}
+
+#[test]
+fn rate_fields_are_refused_on_a_concurrency_limit() {
+    for (field, fragment) in [
+        ("rate: 1/s", "rate does not apply to a concurrency limit"),
+        ("burst: 2", "burst does not apply"),
+        ("cost: 2", "cost does not apply"),
+        ("sync_interval: 1s", "sync_interval does not apply"),
+        ("overrides_file: f.yaml", "overrides_file does not apply"),
+    ] {
+        let col = 9 + field.find(':').unwrap() as u64 + 2;
+        assert_err(
+            &with_limit(&[SLOTS, "max_in_flight: 1", field]),
+            8,
+            col,
+            fragment,
+        );
+    }
+    assert_err(
+        &with_limit(&[
+            SLOTS,
+            "max_in_flight: 1",
+            "overrides:",
+            "  - { when: { key: [a] }, exempt: true }",
+        ]),
+        9,
+        13,
+        "overrides does not apply",
+    );
+}
+
+#[test]
+fn slot_fields_are_refused_on_a_rate_limit() {
+    for field in ["max_in_flight: 3", "lease: 10s", "retry_after: 1s"] {
+        let col = 9 + field.find(':').unwrap() as u64 + 2;
+        assert_err(
+            &with_limit(&["rate: 1/s", field]),
+            7,
+            col,
+            "applies to algorithm: concurrency only",
+        );
+    }
+}
+
+#[test]
+fn a_lease_is_at_least_a_second() {
+    assert_err(
+        &with_redis_limit(&[SLOTS, "max_in_flight: 1", "lease: 500ms"]),
+        10,
+        16,
+        "at least 1s",
+    );
+    assert_err(
+        &with_redis_limit(&[SLOTS, "max_in_flight: 1", "retry_after: 0s"]),
+        10,
+        22,
+        "retry_after must be longer than 0",
+    );
+}
+
+#[test]
+fn slots_are_neither_delayed_nor_eventual() {
+    assert_err(
+        &with_limit(&[
+            SLOTS,
+            "max_in_flight: 1",
+            "on_limit: delay",
+            "max_delay: 1s",
+        ]),
+        8,
+        19,
+        "on_limit: delay is not supported on a concurrency limit",
+    );
+    assert_err(
+        &with_redis_limit(&[SLOTS, "max_in_flight: 1", "consistency: eventual"]),
+        10,
+        22,
+        "consistency: eventual cannot count slots",
+    );
+}
+
+#[test]
+fn a_concurrency_limit_reads_back_from_admin_config() {
+    let cfg = ok(&with_redis_limit(&[
+        SLOTS,
+        "key: [header:x-api-key]",
+        "max_in_flight: 4",
+        "lease: 30s",
+        "retry_after: 2s",
+    ]));
+    let json = serde_json::to_value(&cfg.routes[0].limits[0]).unwrap();
+    assert_eq!(json["algorithm"], "concurrency");
+    assert_eq!(json["max_in_flight"], 4);
+    assert_eq!(json["lease"], "30s");
+    assert_eq!(json["retry_after"], "2s");
+    assert!(json.get("rate").is_none() && json.get("cost").is_none());
+    let summary = crate::config::summary(&cfg);
+    assert!(
+        summary.contains("concurrency, max_in_flight 4, global, 429 with Retry-After 2s"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("gives its slots back after 30s"),
+        "{summary}"
+    );
+}
