@@ -125,6 +125,12 @@ struct RouteLimitDecision {
     decision: &'static str,
 }
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLimitDirection {
+    route: String,
+    limit: String,
+    direction: &'static str,
+}
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ScopeLabel {
     scope: &'static str,
 }
@@ -163,6 +169,8 @@ pub struct Metrics {
     in_flight: Family<RouteLimit, Gauge>,
     lease_renewals: Family<RouteLimit, Counter>,
     lease_expiries: Family<RouteLimit, Counter>,
+    settled: Family<RouteLimitDirection, Counter>,
+    settle_missing: Family<RouteLimit, Counter>,
 }
 
 impl Default for Metrics {
@@ -193,6 +201,8 @@ impl Metrics {
         let in_flight = Family::default();
         let lease_renewals = Family::default();
         let lease_expiries = Family::default();
+        let settled = Family::default();
+        let settle_missing = Family::default();
         // prometheus-client appends `_total` to counters and `_seconds` comes from the name.
         registry.register(
             "tollgate_requests",
@@ -269,6 +279,16 @@ impl Metrics {
             "Concurrency leases found run out in Redis before their request gave them back",
             lease_expiries.clone(),
         );
+        registry.register(
+            "tollgate_settled_units",
+            "Units settled after responses: charged beyond the estimate, or refunded",
+            settled.clone(),
+        );
+        registry.register(
+            "tollgate_settle_missing",
+            "Responses whose cost header or trailer was missing or not a whole number: the estimate stayed charged",
+            settle_missing.clone(),
+        );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
         for kind in [
             "timeout",
@@ -300,6 +320,8 @@ impl Metrics {
             in_flight,
             lease_renewals,
             lease_expiries,
+            settled,
+            settle_missing,
         }
     }
 
@@ -356,6 +378,27 @@ impl Metrics {
             delay: self.delay.get_or_create_owned(&rl),
             abandoned: self.waiters_abandoned.get_or_create_owned(&rl),
             slots: None,
+            settle: None,
+        }
+    }
+
+    /// Handles for a settled limit's series (units charged and refunded, costs missing), created
+    /// now so they read 0 before the first response. Only limits with `settle:` have them.
+    pub fn settle(&self, route: &str, limit: &str) -> SettleMetrics {
+        let d = |direction| {
+            self.settled.get_or_create_owned(&RouteLimitDirection {
+                route: route.to_owned(),
+                limit: limit.to_owned(),
+                direction,
+            })
+        };
+        SettleMetrics {
+            charged: d("charged"),
+            refunded: d("refunded"),
+            missing: self.settle_missing.get_or_create_owned(&RouteLimit {
+                route: route.to_owned(),
+                limit: limit.to_owned(),
+            }),
         }
     }
 
@@ -469,6 +512,31 @@ pub struct LimitMetrics {
     pub abandoned: Counter,
     /// A concurrency limit's series ([`Metrics::slots`]); `None` for a rate limit.
     pub slots: Option<SlotMetrics>,
+    /// A settled limit's series ([`Metrics::settle`]); `None` without `settle:`.
+    pub settle: Option<SettleMetrics>,
+}
+
+/// A settled limit's series, labelled with route and limit.
+#[derive(Clone, Debug)]
+pub struct SettleMetrics {
+    /// `tollgate_settled_units_total{direction="charged"}`: units charged beyond the estimate.
+    pub charged: Counter,
+    /// `tollgate_settled_units_total{direction="refunded"}`: units of the estimate given back.
+    pub refunded: Counter,
+    /// `tollgate_settle_missing_total`: responses that never said their cost (or not as a
+    /// whole number); the estimate stayed charged.
+    pub missing: Counter,
+}
+
+impl SettleMetrics {
+    /// Counts a settlement of `delta` units (true cost minus estimate).
+    pub fn count(&self, delta: i64) {
+        if delta > 0 {
+            self.charged.inc_by(delta.unsigned_abs());
+        } else {
+            self.refunded.inc_by(delta.unsigned_abs());
+        }
+    }
 }
 
 /// A concurrency limit's series, labelled with route and limit.

@@ -270,6 +270,9 @@ impl ConfigSnapshot {
                         if lc.concurrency.is_some() {
                             limit_metrics.slots = Some(metrics.slots(&rc.name, &lc.name));
                         }
+                        if lc.settle.is_some() {
+                            limit_metrics.settle = Some(metrics.settle(&rc.name, &lc.name));
+                        }
                         let mut limit =
                             Limit::new(&rc.name, lc, store, tier, eventual, limit_metrics);
                         limit.top = top;

@@ -1,6 +1,6 @@
 //! The fields of limits that end after the response: concurrency slots (`algorithm:
-//! concurrency`, with `max_in_flight`, `lease`, `retry_after`), and the rules that keep them
-//! apart from the rate fields.
+//! concurrency`, with `max_in_flight`, `lease`, `retry_after`), costs settled from the
+//! upstream's answer (`settle:`), and the rules that keep them apart from the rate fields.
 //!
 //! Kept out of `limit.rs`: a concurrency limit shares a limit's name, key, scope and shadow,
 //! but none of its rate fields, and each rate field given to it (or slot field given to a rate
@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::Invalid;
 use super::rate::{DurationText, LUA_PARAM_MAX};
-use super::raw::RawLimit;
+use super::raw::{RawLimit, RawSettle};
 use super::types::{AlgorithmKind, Consistency, Rate};
 use super::validate::{Checked, at, positive_duration_or};
 
@@ -163,4 +163,133 @@ pub(super) fn slot_consistency(
         )),
         _ => Ok(()),
     }
+}
+
+/// `settle:`: after the response, charge what the request really cost (or give it all back).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SettleConfig {
+    /// The response header, or trailer, holding the true cost (a whole number).
+    pub cost_header: Option<http::HeaderName>,
+    /// Statuses, as inclusive ranges, that give the whole charge back.
+    pub refund_status: Vec<(u16, u16)>,
+}
+
+impl SettleConfig {
+    /// Whether a response with `status` gives the whole charge back.
+    pub fn refunds(&self, status: u16) -> bool {
+        self.refund_status
+            .iter()
+            .any(|&(lo, hi)| (lo..=hi).contains(&status))
+    }
+}
+
+/// As the YAML writes it: `cost_header: NAME`, `refund_status: ["500-599", "429"]`.
+impl Serialize for SettleConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut m = s.serialize_struct("SettleConfig", 2)?;
+        match &self.cost_header {
+            Some(h) => m.serialize_field("cost_header", h.as_str())?,
+            None => m.skip_field("cost_header")?,
+        }
+        let ranges: Vec<String> = self
+            .refund_status
+            .iter()
+            .map(|&(lo, hi)| {
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo}-{hi}")
+                }
+            })
+            .collect();
+        m.serialize_field("refund_status", &ranges)?;
+        m.end()
+    }
+}
+
+/// A limit's `settle:`, or why it cannot settle: it must be a rate limit whose state can carry
+/// a debt (gcra, sliding_log), decided strictly.
+pub(super) fn settle(
+    raw: Option<serde_saphyr::Spanned<RawSettle>>,
+    algorithm: AlgorithmKind,
+    consistency: Consistency,
+) -> Checked<Option<SettleConfig>> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let settle_at = at(&raw);
+    let why_not = match algorithm {
+        AlgorithmKind::Concurrency => Some(
+            "a concurrency limit holds slots, not units: there is no cost to settle".to_owned(),
+        ),
+        AlgorithmKind::FixedWindow | AlgorithmKind::SlidingWindow => Some(format!(
+            "{algorithm} forgets its count at each window's end, so a debt would be forgiven there: use gcra or sliding_log"
+        )),
+        _ if consistency == Consistency::Eventual => Some(
+            "consistency: eventual exchanges counts, not settlements: use consistency: strict"
+                .to_owned(),
+        ),
+        _ => None,
+    };
+    if let Some(why) = why_not {
+        return Err(Invalid::new(settle_at, format!("settle: {why}")));
+    }
+    let RawSettle {
+        cost_header,
+        refund_status,
+    } = raw.value;
+    let cost_header = match cost_header {
+        Some(t) => Some(
+            http::HeaderName::from_bytes(t.value.trim().as_bytes()).map_err(|_| {
+                Invalid::new(
+                    at(&t),
+                    format!("cost_header: `{}` is not a header name", t.value),
+                )
+            })?,
+        ),
+        None => None,
+    };
+    let mut ranges = Vec::new();
+    if let Some(list) = refund_status {
+        for item in list.value.items(list.referenced) {
+            ranges.push(status_range(&item.value).map_err(|why| Invalid::new(at(&item), why))?);
+        }
+    }
+    if cost_header.is_none() && ranges.is_empty() {
+        return Err(Invalid::new(
+            settle_at,
+            "settle needs cost_header (the response header or trailer with the true cost), refund_status (statuses that give the charge back), or both",
+        ));
+    }
+    Ok(Some(SettleConfig {
+        cost_header,
+        refund_status: ranges,
+    }))
+}
+
+/// `429` or `500-599`.
+fn status_range(text: &str) -> Result<(u16, u16), String> {
+    let bad = || {
+        format!(
+            "refund_status: `{text}` is not a status (429) or a range of them (500-599) between 100 and 599"
+        )
+    };
+    let code = |t: &str| {
+        t.trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|c| (100..=599).contains(c))
+    };
+    let (lo, hi) = match text.split_once('-') {
+        Some((lo, hi)) => (code(lo).ok_or_else(bad)?, code(hi).ok_or_else(bad)?),
+        None => {
+            let c = code(text).ok_or_else(bad)?;
+            (c, c)
+        }
+    };
+    if lo > hi {
+        return Err(bad());
+    }
+    Ok((lo, hi))
 }

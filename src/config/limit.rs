@@ -242,6 +242,7 @@ pub(super) fn limit(
         cost,
         consistency,
     };
+    let settle = super::after::settle(raw.settle.take(), algorithm, consistency)?;
     let overrides = match raw.overrides {
         Some(list) => super::consumers::overrides(list, &shape, consumers, warnings)?,
         None => Vec::new(),
@@ -270,6 +271,7 @@ pub(super) fn limit(
         overrides_file,
         shared: false,
         concurrency: slots,
+        settle,
     })
 }
 

@@ -29,7 +29,7 @@ pub use self::types::{
     AlgorithmKind, ConcurrencyConfig, Config, Consistency, KeyPart, LimitConfig, ListenerTls,
     OnError, OnLimit, OnMissing, Override, OverrideRate, OverridesFile, OverridesTable, PathMatch,
     Piece, Plan, Rate, RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope,
-    ServerConfig, TableEntry, Template, TemplateError, UpstreamCa, When,
+    ServerConfig, SettleConfig, TableEntry, Template, TemplateError, UpstreamCa, When,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 

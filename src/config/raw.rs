@@ -146,6 +146,105 @@ pub(super) struct RawLimit {
     pub max_in_flight: Option<Spanned<u64>>,
     pub lease: Option<Text>,
     pub retry_after: Option<Text>,
+    pub settle: Option<Spanned<RawSettle>>,
+}
+
+/// A limit's `settle:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSettle {
+    pub cost_header: Option<Text>,
+    pub refund_status: Option<Spanned<Statuses>>,
+}
+
+/// `refund_status: [500-599, 429]`, or one of them alone: status codes and inclusive ranges,
+/// numbers or text. Hand-written for the same reason as [`OneOrMany`], and to take bare
+/// numbers (`429`) as well as ranges (`500-599`, which YAML reads as text).
+#[derive(Debug)]
+pub(super) enum Statuses {
+    One(String),
+    Many(Vec<Spanned<StatusText>>),
+}
+
+impl Statuses {
+    /// Each item with its position; `at` is where the whole node is.
+    pub(super) fn items(self, at: Location) -> Vec<Spanned<String>> {
+        match self {
+            Self::One(value) => vec![Spanned::new(value, at, at)],
+            Self::Many(items) => items
+                .into_iter()
+                .map(|i| Spanned::new(i.value.0, i.referenced, i.defined))
+                .collect(),
+        }
+    }
+}
+
+/// One status or range of `refund_status`, as text whether YAML read a number or a string.
+#[derive(Debug)]
+pub(super) struct StatusText(pub String);
+
+struct StatusVisitor;
+
+impl<'de> Visitor<'de> for StatusVisitor {
+    type Value = String;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a status code (429) or a range (500-599)")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
+        Ok(v.to_string())
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
+        Ok(v.to_owned())
+    }
+}
+
+impl<'de> Deserialize<'de> for StatusText {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(StatusVisitor).map(StatusText)
+    }
+}
+
+impl<'de> Deserialize<'de> for Statuses {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct StatusesVisitor;
+
+        impl<'de> Visitor<'de> for StatusesVisitor {
+            type Value = Statuses;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a status code, a range (500-599), or a list of them")
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Statuses, E> {
+                Ok(Statuses::One(v.to_string()))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Statuses, E> {
+                Ok(Statuses::One(v.to_string()))
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Statuses, E> {
+                Ok(Statuses::One(v.to_owned()))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Statuses, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(Statuses::Many(items))
+            }
+        }
+
+        deserializer.deserialize_any(StatusesVisitor)
+    }
 }
 
 /// `upstream: URL` or `upstream: [URL, ...]` (likewise `key`, `methods`, ...).

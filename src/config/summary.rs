@@ -256,6 +256,9 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
         },
     );
     let _ = writeln!(out, "    {}", admission_bound(l));
+    if let Some(settle) = &l.settle {
+        let _ = writeln!(out, "    {}", settle_line(settle));
+    }
     if let Some(used) = used {
         let _ = writeln!(out, "    {used}");
     }
@@ -348,6 +351,34 @@ fn write_slots(
     if let Some(used) = used {
         let _ = writeln!(out, "    {used}");
     }
+}
+
+/// What a limit's `settle:` does, in words.
+fn settle_line(s: &crate::config::SettleConfig) -> String {
+    let mut parts = Vec::new();
+    if let Some(h) = &s.cost_header {
+        parts.push(format!(
+            "charges the true cost from response header or trailer {h} (the key may go into debt; missing: the estimate stays)"
+        ));
+    }
+    if !s.refund_status.is_empty() {
+        let ranges: Vec<String> = s
+            .refund_status
+            .iter()
+            .map(|&(lo, hi)| {
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo}-{hi}")
+                }
+            })
+            .collect();
+        parts.push(format!(
+            "gives the charge back on status {}",
+            ranges.join(", ")
+        ));
+    }
+    format!("settles after the response: {}", parts.join("; "))
 }
 
 /// What an override gives, in words.

@@ -17,7 +17,7 @@ use ipnet::IpNet;
 use rustls::pki_types::CertificateDer;
 use serde::{Serialize, Serializer};
 
-pub use super::after::ConcurrencyConfig;
+pub use super::after::{ConcurrencyConfig, SettleConfig};
 pub use super::overrides_file::{OverridesTable, TableEntry};
 use super::rate::DurationText;
 pub use super::rate::Rate;
@@ -313,6 +313,8 @@ pub struct LimitConfig {
     /// `algorithm: concurrency`: its slots (`rate` then holds `max_in_flight` per `lease`, for
     /// the code that reads a quota; it is shown as neither).
     pub concurrency: Option<ConcurrencyConfig>,
+    /// `settle:`: after the response, the true cost is charged (or the charge given back).
+    pub settle: Option<SettleConfig>,
 }
 
 impl LimitConfig {
@@ -470,7 +472,7 @@ impl Serialize for LimitConfig {
         if let Some(slots) = &self.concurrency {
             return self.serialize_slots(slots, s);
         }
-        let mut m = s.serialize_struct("LimitConfig", 15)?;
+        let mut m = s.serialize_struct("LimitConfig", 16)?;
         m.serialize_field("name", &self.name)?;
         m.serialize_field("key", &self.key)?;
         m.serialize_field("on_missing", &self.on_missing)?;
@@ -499,6 +501,10 @@ impl Serialize for LimitConfig {
         match &self.overrides_file {
             Some(f) => m.serialize_field("overrides_file", f)?,
             None => m.skip_field("overrides_file")?,
+        }
+        match &self.settle {
+            Some(settle) => m.serialize_field("settle", settle)?,
+            None => m.skip_field("settle")?,
         }
         m.end()
     }

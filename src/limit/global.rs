@@ -188,6 +188,9 @@ impl LimitSet {
                 None => {}
             }
         }
+        if admitted && self.settles {
+            self.hold_settlements(keys, &probed.to_store, &decision, cx, held);
+        }
         self.learn(keys, &probed, decision, cx, &mut results);
         if admitted {
             // Should a local limit reject here after all, the verdict is a rejection and
@@ -356,9 +359,41 @@ impl LimitSet {
                 Ok(Decision {
                     admitted: true,
                     per_limit: Vec::new(),
+                    at: Vec::new(),
                 })
             }
             other => other,
+        }
+    }
+
+    /// The settlements of the global limits that settle and were charged by `decision`, into
+    /// `held`, each at the instant Redis charged it.
+    fn hold_settlements<G>(
+        &self,
+        keys: &[u8],
+        to_store: &[Span],
+        decision: &Decision,
+        cx: &Context<'_, G>,
+        held: &mut Held,
+    ) {
+        let Some(book) = cx.leases else { return };
+        for (j, &(i, s, e, r)) in to_store.iter().enumerate() {
+            let l = &self.limits[i];
+            let (Some(settle), Some(v)) = (&l.settle, decision.per_limit.get(j)) else {
+                continue;
+            };
+            if !v.is_admitted() {
+                continue;
+            }
+            let at = decision.at.get(j).copied().unwrap_or(0);
+            held.settle_global(
+                settle,
+                l.metrics.settle.as_ref(),
+                book,
+                &l.rate(r).algorithm,
+                l.redis_key(&keys[s..e]),
+                (l.cost, at),
+            );
         }
     }
 
@@ -370,7 +405,7 @@ impl LimitSet {
         to_store: &[Span],
         cx: &Context<'_, G>,
     ) -> SmallVec<[Option<PendingLease>; 4]> {
-        if !self.has_slots {
+        if !self.has_after {
             return SmallVec::new();
         }
         let Some(book) = cx.leases else {

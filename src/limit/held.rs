@@ -1,5 +1,6 @@
 //! What an admitted request holds until its exchange ends: its concurrency slots, each given
-//! back exactly once, whichever way the exchange ends.
+//! back exactly once whichever way the exchange ends, and its settlements (`settle:`), each
+//! applied once the response head or trailers say what the request really cost.
 //!
 //! [`LimitSet::evaluate_held`](super::LimitSet::evaluate_held) returns a [`Held`] beside the
 //! verdict; the codec keeps it for as long as the exchange lasts (hyper: inside the exchange's
@@ -12,6 +13,13 @@
 //! gateway's Redis store lists the leases this instance holds and renews each halfway through
 //! its life, in a background task, so a request may outlive its lease, and only a dead
 //! instance's slots wait for theirs to run out.
+//!
+//! A settlement is applied when the response's status gives the charge back (`refund_status`),
+//! when its head carries the cost header, or when its trailers do; whichever comes first. Local
+//! ones under their shard lock at once, global ones by one script call in the background (none
+//! when the true cost equals the estimate), so settling never holds up the response. An
+//! exchange that ends with none of these (no such header or trailer, or a value that is not a
+//! whole number) keeps the estimate, and is counted (`tollgate_settle_missing_total`).
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -23,10 +31,12 @@ use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::algorithm::{Algorithm, Concurrency, Micros};
+use super::algorithm::{Algorithm, Concurrency, Micros, Settlement};
+use super::clock::SharedClock;
 use super::local::LocalStore;
-use super::redis::{RedisError, RedisStore};
-use crate::metrics::{RedisErrors, SlotMetrics};
+use super::redis::{GlobalLimit, MAX_PARAM, RedisError, RedisStore};
+use crate::config::SettleConfig;
+use crate::metrics::{RedisErrors, SettleMetrics, SlotMetrics};
 
 /// How often the book looks for leases due for renewal. A lease is at least a second (config),
 /// renewed when half of it is left: a tick of 100 ms renews it with nearly half its life to spare.
@@ -37,12 +47,16 @@ const RENEW_TICK: Duration = Duration::from_millis(100);
 #[derive(Default)]
 pub struct Held {
     slots: SmallVec<[Slot; 1]>,
+    settles: Vec<Settle>,
+    /// The clock local settlements are applied on (the one their decision read).
+    clock: Option<SharedClock>,
 }
 
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
             .field("slots", &self.slots.len())
+            .field("settles", &self.settles.len())
             .finish()
     }
 }
@@ -51,7 +65,108 @@ impl Held {
     /// Whether nothing is held.
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.slots.is_empty() && self.settles.is_empty()
+    }
+
+    /// Whether settlements wait for the response.
+    #[inline]
+    pub fn settles(&self) -> bool {
+        !self.settles.is_empty()
+    }
+
+    /// The clock local settlements are applied on: the gateway's, which decided them.
+    pub fn set_clock(&mut self, clock: SharedClock) {
+        self.clock = Some(clock);
+    }
+
+    /// The response head went out with `status` and `headers`: the settlements its status
+    /// gives back, or its cost header prices, are applied now; the others wait for trailers.
+    pub fn response_head(&mut self, status: u16, headers: &http::HeaderMap) {
+        if self.settles.is_empty() {
+            return;
+        }
+        let now = self.now();
+        self.settles.retain(|s| {
+            if s.config.refunds(status) {
+                s.apply(0, now);
+                return false;
+            }
+            !s.from(headers, now)
+        });
+    }
+
+    /// The response's trailers: the settlements still waiting read their cost there.
+    pub fn trailers(&mut self, trailers: &http::HeaderMap) {
+        if self.settles.is_empty() {
+            return;
+        }
+        let now = self.now();
+        self.settles.retain(|s| !s.from(trailers, now));
+    }
+
+    /// The exchange ended: settlements that never learned their cost keep the estimate (and
+    /// are counted), and the slots are given back.
+    pub fn end(&mut self) {
+        for s in self.settles.drain(..) {
+            s.metrics.missing.inc();
+        }
+        self.slots.clear();
+    }
+
+    fn now(&self) -> Micros {
+        self.clock.as_ref().map_or(0, |c| c.now())
+    }
+
+    /// A settlement of a request charged `estimate` at `at` in a local store, for `key`
+    /// decided under `algorithm`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn settle_local(
+        &mut self,
+        config: &Arc<SettleConfig>,
+        metrics: Option<&SettleMetrics>,
+        store: &Arc<LocalStore>,
+        algorithm: &Algorithm,
+        key: &[u8],
+        (estimate, at): (u64, Micros),
+    ) {
+        let Some(metrics) = metrics else { return };
+        self.settles.push(Settle {
+            config: Arc::clone(config),
+            metrics: metrics.clone(),
+            estimate,
+            at,
+            target: Target::Local {
+                store: Arc::clone(store),
+                algorithm: algorithm.clone(),
+                key: SmallVec::from_slice(key),
+            },
+        });
+    }
+
+    /// A settlement of a request charged `estimate` at `at` (Redis time) on `key` (the limit's
+    /// base key) in the store of `book`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn settle_global(
+        &mut self,
+        config: &Arc<SettleConfig>,
+        metrics: Option<&SettleMetrics>,
+        book: &Arc<LeaseBook>,
+        algorithm: &Algorithm,
+        key: String,
+        (estimate, at): (u64, Micros),
+    ) {
+        let Some(metrics) = metrics else { return };
+        self.settles.push(Settle {
+            config: Arc::clone(config),
+            metrics: metrics.clone(),
+            estimate,
+            at,
+            target: Target::Global {
+                book: Arc::clone(book),
+                algorithm: algorithm.clone(),
+                key,
+            },
+        });
     }
 
     /// Concurrency slots held.
@@ -87,9 +202,107 @@ impl Held {
         self.slots.push(Slot::Lease(lease));
     }
 
-    /// Gives every slot back now (what dropping does).
+    /// Gives every slot back now (what dropping does); pending settlements are dropped
+    /// uncounted (the request was not forwarded).
     pub fn release(&mut self) {
         self.slots.clear();
+        self.settles.clear();
+    }
+}
+
+/// One limit's settlement, waiting for the response to say what the request cost.
+struct Settle {
+    config: Arc<SettleConfig>,
+    metrics: SettleMetrics,
+    /// What the decision charged.
+    estimate: u64,
+    /// When (the deciding store's clock).
+    at: Micros,
+    target: Target,
+}
+
+enum Target {
+    Local {
+        store: Arc<LocalStore>,
+        algorithm: Algorithm,
+        key: SmallVec<[u8; 32]>,
+    },
+    Global {
+        book: Arc<LeaseBook>,
+        algorithm: Algorithm,
+        key: String,
+    },
+}
+
+impl Settle {
+    /// Applies the cost `fields` carry in the cost header, if they carry it: whether this
+    /// settlement is done (a value that is not a whole number is counted, and the estimate
+    /// kept).
+    fn from(&self, fields: &http::HeaderMap, now: Micros) -> bool {
+        let Some(name) = &self.config.cost_header else {
+            return false;
+        };
+        let Some(value) = fields.get(name) else {
+            return false;
+        };
+        match std::str::from_utf8(value.as_bytes())
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
+            Some(cost) => self.apply(cost, now),
+            None => {
+                self.metrics.missing.inc();
+            }
+        }
+        true
+    }
+
+    /// The request really cost `cost`: the difference from the estimate, charged or given back.
+    fn apply(&self, cost: u64, now: Micros) {
+        let delta = cost.min(MAX_PARAM) as i64 - self.estimate.min(MAX_PARAM) as i64;
+        if delta == 0 {
+            return;
+        }
+        let settlement = Settlement {
+            at: self.at,
+            estimate: self.estimate,
+            delta,
+        };
+        match &self.target {
+            Target::Local {
+                store,
+                algorithm,
+                key,
+            } => {
+                store.settle(algorithm, key, settlement, now);
+                self.metrics.count(delta);
+            }
+            Target::Global {
+                book,
+                algorithm,
+                key,
+            } => {
+                let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                    return;
+                };
+                let call = book
+                    .store
+                    .settle(key.clone(), algorithm.clone(), settlement);
+                let metrics = self.metrics.clone();
+                let errors = book.errors.clone();
+                rt.spawn(async move {
+                    match call.await {
+                        Ok(_) => metrics.count(delta),
+                        Err(e) => {
+                            if let Some(errors) = errors {
+                                errors.count(e.kind());
+                            }
+                            tracing::debug!(error = %e, "a settlement failed; the estimate stays charged");
+                        }
+                    }
+                });
+            }
+        }
     }
 }
 
@@ -120,9 +333,9 @@ impl Drop for LocalSlot {
     }
 }
 
-/// Where leases are taken, renewed and given back: Redis in the gateway, a fake in tests.
-/// Object-safe, so a held lease does not carry the store's type.
-pub trait LeaseStore: Send + Sync + 'static {
+/// What the store does after a response: leases renewed and given back, costs settled. Redis
+/// in the gateway. Object-safe, so what a request holds does not carry the store's type.
+pub trait AfterStore: Send + Sync + 'static {
     /// Gives back `(lease set, lease id)` leases; per lease, whether it was still held.
     fn release(
         &self,
@@ -134,9 +347,17 @@ pub trait LeaseStore: Send + Sync + 'static {
         &self,
         leases: Vec<(String, u64, Micros)>,
     ) -> BoxFuture<'static, Result<Vec<bool>, RedisError>>;
+
+    /// Applies `settlement` to `key` (a limit's base key) decided under `algorithm`.
+    fn settle(
+        &self,
+        key: String,
+        algorithm: Algorithm,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<bool, RedisError>>;
 }
 
-impl LeaseStore for RedisStore {
+impl AfterStore for RedisStore {
     fn release(
         &self,
         leases: Vec<(String, u64)>,
@@ -152,11 +373,30 @@ impl LeaseStore for RedisStore {
         let store = self.clone();
         Box::pin(async move { store.renew_leases(&leases).await })
     }
+
+    fn settle(
+        &self,
+        key: String,
+        algorithm: Algorithm,
+        s: Settlement,
+    ) -> BoxFuture<'static, Result<bool, RedisError>> {
+        let store = self.clone();
+        Box::pin(async move {
+            let limit = GlobalLimit {
+                algorithm: &algorithm,
+                key: &key,
+                cost: s.estimate,
+                max_delay: 0,
+            };
+            store.settle(&limit, s.at, s.delta, None).await
+        })
+    }
 }
 
-/// The leases this instance holds in one store, renewed while their requests run.
+/// The leases this instance holds in one store, renewed while their requests run; and the
+/// store that settlements go to.
 pub struct LeaseBook {
-    store: Arc<dyn LeaseStore>,
+    store: Arc<dyn AfterStore>,
     live: Mutex<HashMap<u64, Entry>>,
     /// Lease ids: a per-book random seed hashing a counter, so two instances' ids for one key
     /// do not meet (and a restarted instance does not reuse its predecessor's).
@@ -186,7 +426,7 @@ const ID_MASK: u64 = (1 << 50) - 1;
 impl LeaseBook {
     /// A book over `store`; `errors` counts the failures of its calls. Its renewals start with
     /// [`LeaseBook::start_renewing`].
-    pub fn new(store: Arc<dyn LeaseStore>, errors: Option<RedisErrors>) -> Arc<Self> {
+    pub fn new(store: Arc<dyn AfterStore>, errors: Option<RedisErrors>) -> Arc<Self> {
         Arc::new(Self {
             store,
             live: Mutex::new(HashMap::new()),

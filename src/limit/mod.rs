@@ -49,7 +49,7 @@ use crate::metrics::{Histogram, LimitMetrics, Metrics};
 use algorithm::{Algorithm, Concurrency, Micros, Rejection, Snapshot};
 use eventual::EventualStore;
 pub use global::GlobalStore;
-pub use held::{Held, LeaseBook, LeaseStore};
+pub use held::{AfterStore, Held, LeaseBook};
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
 pub use overrides::{Applied, LimitRate, Overrides};
@@ -97,6 +97,8 @@ pub struct Limit {
     /// The keys this limit rejected most in the last minute (the admin API's `top`); carried
     /// over reloads with the stores.
     pub top: Arc<TopKeys>,
+    /// `settle:`: what the response's status or cost header does to the charge afterwards.
+    pub settle: Option<Arc<crate::config::SettleConfig>>,
 }
 
 /// What a reset of one key forgot in this instance: whether each in-process store held it.
@@ -173,6 +175,7 @@ impl Limit {
             rates,
             overrides: overrides.map(Box::new),
             top: Arc::default(),
+            settle: config.settle.clone().map(Arc::new),
         }
     }
 
@@ -588,8 +591,12 @@ pub struct LimitSet {
     pub reads_headers: bool,
     /// Some limit is `eventual`: without one, a local decision skips holding eventual keys.
     has_eventual: bool,
-    /// Some limit is a concurrency limit: an admitted request may hold slots.
-    has_slots: bool,
+    /// Some limit is a concurrency limit, or settles its cost: an admitted request may hold
+    /// slots or settlements until its exchange ends.
+    has_after: bool,
+    /// Some limit settles its cost from the response (`settle:`): the fast HTTP/1.1 path, which
+    /// relays the response's bytes without reading its trailers, leaves the route to hyper.
+    pub settles: bool,
 }
 
 /// One applicable limit of this request: its index, its key's span in the key buffer, and
@@ -601,7 +608,8 @@ impl LimitSet {
     pub fn new(limits: Vec<Limit>, tiers: TierMetrics, cluster: bool) -> Self {
         let can_delay = limits.iter().any(|l| l.max_delay > 0);
         let has_eventual = limits.iter().any(|l| l.eventual.is_some());
-        let has_slots = limits.iter().any(|l| l.slots().is_some());
+        let settles = limits.iter().any(|l| l.settle.is_some());
+        let has_after = settles || limits.iter().any(|l| l.slots().is_some());
         let enforced_global = limits.iter().filter(|l| l.is_global() && !l.shadow).count();
         let reads_headers = limits.iter().any(|l| {
             l.key
@@ -614,7 +622,8 @@ impl LimitSet {
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
             has_eventual,
-            has_slots,
+            has_after,
+            settles,
             limits,
             can_delay,
             tiers,
@@ -785,7 +794,7 @@ impl LimitSet {
             // are concluded where they are.
             let checks = self.local_checks(keys, spans, cx, Limit::is_local);
             let (admitted, verdicts) = local::decide(&checks, cx.now);
-            if admitted && self.has_slots {
+            if admitted && self.has_after {
                 self.hold_local(keys, spans, cx, Limit::is_local, &verdicts, held);
             }
             self.count_local(started);
@@ -809,7 +818,8 @@ impl LimitSet {
     }
 
     /// The slots of the concurrency limits `pick` selects that admitted (`verdicts`, one per
-    /// picked span, in order) in a decision that charged them, into `held`.
+    /// picked span, in order) in a decision that charged them, and the settlements of those
+    /// that settle, into `held`.
     fn hold_local<G>(
         &self,
         keys: &[u8],
@@ -820,15 +830,28 @@ impl LimitSet {
         held: &mut Held,
     ) {
         let picked = spans.iter().filter(|s| pick(&self.limits[s.0]));
-        for (&(i, s, e, _), v) in picked.zip(verdicts) {
+        for (&(i, s, e, r), v) in picked.zip(verdicts) {
             let l = &self.limits[i];
-            if let (Some(slots), Ok(_)) = (l.slots(), v) {
+            if v.is_err() {
+                continue;
+            }
+            if let Some(slots) = l.slots() {
                 held.local(
                     &l.store,
                     slots,
                     &keys[s..e],
                     cx.now,
                     l.metrics.slots.as_ref(),
+                );
+            }
+            if let Some(settle) = &l.settle {
+                held.settle_local(
+                    settle,
+                    l.metrics.settle.as_ref(),
+                    &l.store,
+                    &l.rate(r).algorithm,
+                    &keys[s..e],
+                    (l.cost, cx.now),
                 );
             }
         }
@@ -982,7 +1005,7 @@ impl LimitSet {
         if admitted {
             let checks = self.local_checks(keys, spans, cx, &pick);
             (admitted, local) = local::decide(&checks, cx.now);
-            if admitted && self.has_slots {
+            if admitted && self.has_after {
                 self.hold_local(keys, spans, cx, &pick, &local, slots);
             }
         }

@@ -1,8 +1,8 @@
 //! The after-response phase: what must happen when an exchange ends, whichever way it ends
 //! (answered in full, client gone, upstream failed, timed out, connection drained), in one
-//! guard that runs exactly once. Today it observes `tollgate_request_duration_seconds`; the
-//! limits that end after the response (concurrency slots, costs settled from the answer) hang
-//! on it too.
+//! guard that runs exactly once. It observes `tollgate_request_duration_seconds`, gives back
+//! the request's concurrency slots, and settles its costs from the response's status, head or
+//! trailers (see `limit::held`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,7 +20,7 @@ pub(crate) struct ExchangeEnd {
     route: Option<usize>,
     started: Instant,
     /// What the admitted request holds until it ends: its concurrency slots, given back when
-    /// the exchange ends (dropped with the guard).
+    /// the exchange ends (dropped with the guard), and its settlements.
     held: Held,
     /// Set once ended, so the drop does nothing more.
     ended: bool,
@@ -57,7 +57,7 @@ impl ExchangeEnd {
         self.route = Some(idx);
     }
 
-    /// The admitted request's slots, held until the exchange ends.
+    /// The admitted request's slots and settlements, held until the exchange ends.
     #[inline]
     pub(crate) fn hold(&mut self, held: Held) {
         self.held = held;
@@ -75,6 +75,23 @@ impl ExchangeEnd {
         match self.route {
             Some(i) => self.snapshot.routes[i].metrics.request(status),
             None => self.snapshot.unmatched.request(status),
+        }
+    }
+
+    /// The response head as the client gets it: settlements its status refunds, or its cost
+    /// header prices, are applied.
+    #[inline]
+    pub(crate) fn response_head(&mut self, status: u16, headers: &http::HeaderMap) {
+        if self.held.settles() {
+            self.held.response_head(status, headers);
+        }
+    }
+
+    /// The response's trailers: settlements still waiting read their cost there.
+    #[inline]
+    pub(crate) fn trailers(&mut self, trailers: &http::HeaderMap) {
+        if self.held.settles() {
+            self.held.trailers(trailers);
         }
     }
 
@@ -100,7 +117,7 @@ impl ExchangeEnd {
         self.histogram()
             .observe(now.saturating_duration_since(self.started));
         if !self.held.is_empty() {
-            self.held.release();
+            self.held.end();
         }
     }
 }

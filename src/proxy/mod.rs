@@ -94,7 +94,10 @@ impl Gateway {
             allow_delay,
             metrics: &self.metrics,
         };
-        let (verdict, held) = limits.evaluate_held(parts, &cx).await;
+        let (verdict, mut held) = limits.evaluate_held(parts, &cx).await;
+        if held.settles() {
+            held.set_clock(self.clock.clone());
+        }
         match verdict {
             Verdict::Reject {
                 limit,

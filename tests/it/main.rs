@@ -21,6 +21,7 @@ mod plans;
 mod redis_cluster;
 mod redis_store;
 mod reload;
+mod settle;
 mod signals;
 mod tls;
 mod upstream_pool;

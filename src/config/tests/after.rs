@@ -148,3 +148,106 @@ fn a_concurrency_limit_reads_back_from_admin_config() {
         "{summary}"
     );
 }
+
+#[test]
+fn settle_and_its_fields() {
+    let cfg = ok(&with_limit(&[
+        "rate: 100000/1h",
+        "cost: 500",
+        "settle:",
+        "  cost_header: X-Usage-Tokens",
+        "  refund_status: [500-599, 429]",
+    ]));
+    let s = cfg.routes[0].limits[0].settle.clone().expect("settle");
+    assert_eq!(
+        s.cost_header.as_ref().map(|h| h.as_str()),
+        Some("x-usage-tokens")
+    );
+    assert_eq!(s.refund_status, [(500, 599), (429, 429)]);
+    assert!(s.refunds(503) && s.refunds(429) && !s.refunds(200) && !s.refunds(404));
+    let one = ok(&with_limit(&[
+        "rate: 1/s",
+        "settle: { refund_status: 503 }",
+    ]));
+    assert_eq!(
+        one.routes[0].limits[0]
+            .settle
+            .as_ref()
+            .unwrap()
+            .refund_status,
+        [(503, 503)]
+    );
+    let json = serde_json::to_value(&cfg.routes[0].limits[0]).unwrap();
+    assert_eq!(
+        json["settle"],
+        serde_json::json!({"cost_header": "x-usage-tokens", "refund_status": ["500-599", "429"]})
+    );
+    let summary = crate::config::summary(&cfg);
+    assert!(
+        summary.contains("settles after the response: charges the true cost from response header or trailer x-usage-tokens"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("gives the charge back on status 500-599, 429"),
+        "{summary}"
+    );
+}
+
+#[test]
+fn settle_refusals() {
+    assert_err(
+        &with_limit(&["rate: 1/s", "settle: {}"]),
+        7,
+        17,
+        "settle needs cost_header",
+    );
+    for (algorithm, fragment) in [
+        (
+            "fixed_window",
+            "fixed_window forgets its count at each window's end",
+        ),
+        ("sliding_window", "sliding_window forgets its count"),
+    ] {
+        let alg = format!("algorithm: {algorithm}");
+        assert_err(
+            &with_limit(&[&alg, "rate: 1/s", "settle: { refund_status: 503 }"]),
+            8,
+            17,
+            fragment,
+        );
+    }
+    assert_err(
+        &with_limit(&[SLOTS, "max_in_flight: 1", "settle: { refund_status: 503 }"]),
+        8,
+        17,
+        "there is no cost to settle",
+    );
+    assert_err(
+        &with_redis_limit(&[
+            "rate: 1/s",
+            "consistency: eventual",
+            "settle: { refund_status: 503 }",
+        ]),
+        10,
+        17,
+        "consistency: eventual exchanges counts",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "settle: { refund_status: [500-99] }"]),
+        7,
+        35,
+        "`500-99` is not a status",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "settle: { refund_status: [700] }"]),
+        7,
+        35,
+        "`700` is not a status",
+    );
+    assert_err(
+        &with_limit(&["rate: 1/s", "settle: { cost_header: \"bad header\" }"]),
+        7,
+        32,
+        "is not a header name",
+    );
+}

@@ -74,6 +74,7 @@ fn spec_limit() -> LimitConfig {
         overrides_file: None,
         shared: false,
         concurrency: None,
+        settle: None,
     }
 }
 
@@ -225,6 +226,7 @@ fn defaults_are_applied() {
                 overrides_file: None,
                 shared: false,
                 concurrency: None,
+                settle: None,
             }],
             rejection: None,
         }
@@ -262,6 +264,7 @@ fn defaults_are_applied() {
             overrides_file: None,
             shared: false,
             concurrency: None,
+            settle: None,
         }
     );
     assert_eq!(prefix.matcher.path, PathMatch::Prefix("/static".into()));

@@ -13,12 +13,14 @@
 pub mod concurrency;
 pub mod fixed_window;
 pub mod gcra;
+pub mod settle;
 pub mod sliding_log;
 pub mod sliding_window;
 
 pub use concurrency::{Concurrency, ConcurrencyState};
 pub use fixed_window::{FixedWindow, WindowState};
 pub use gcra::{Gcra, GcraState};
+pub use settle::Settlement;
 pub use sliding_log::{LogState, SlidingLog};
 pub use sliding_window::{SlidingState, SlidingWindow};
 

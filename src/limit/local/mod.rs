@@ -10,8 +10,8 @@
 //! reload that reorders a route's limits), checks every limit and commits only if all admitted. That is what makes
 //! "a rejected request consumes from none" exact, which governor cannot do (it consumes on check).
 
+mod after;
 pub mod deny;
-mod release;
 pub mod sharded;
 
 use smallvec::SmallVec;

@@ -159,6 +159,9 @@ pub struct Decision {
     pub admitted: bool,
     /// Same order as the input.
     pub per_limit: Vec<LimitVerdict>,
+    /// Per limit, the instant (Redis's clock) it was decided and charged at: what a
+    /// settlement of its cost names. Empty when nothing was decided.
+    pub at: Vec<Micros>,
 }
 
 /// Shared handle on the Redis tier; clones share the pool, scripts and breaker.
@@ -483,6 +486,7 @@ impl RedisStore {
             return Ok(Decision {
                 admitted: true,
                 per_limit: Vec::new(),
+                at: Vec::new(),
             });
         }
         self.inner.check_breaker()?;
@@ -494,6 +498,7 @@ impl RedisStore {
             let reply = script::decode_decide(&reply, limits.len(), shadow)?;
             Decision {
                 admitted: reply.admitted,
+                at: vec![reply.now; reply.per_limit.len()],
                 per_limit: reply.per_limit,
             }
         } else {
@@ -545,6 +550,22 @@ impl RedisStore {
             }
         }
         Ok(renewed)
+    }
+
+    /// After a response: `limit` (its `cost` the estimate charged at `at`, the instant its
+    /// decision returned) really cost `delta` more (or less), charged or given back in one
+    /// script call (gcra and sliding_log; the key may go into debt). Whether the state changed.
+    pub async fn settle(
+        &self,
+        limit: &GlobalLimit<'_>,
+        at: Micros,
+        delta: i64,
+        now_override: Option<Micros>,
+    ) -> Result<bool, RedisError> {
+        self.inner.check_breaker()?;
+        let (keys, args) = script::settle_call(limit, at, delta, now_override)?;
+        let reply = self.inner.eval(Call::Settle, keys, args).await?;
+        Ok(reply.first() == Some(&1))
     }
 
     /// Indices of `keys` per script call: one group on a single Redis, one per hash slot on a
@@ -683,6 +704,7 @@ impl RedisStore {
             .map_err(|e| RedisError::Protocol(format!("decision task failed: {e}")))?;
 
         let mut per_limit: Vec<Option<LimitVerdict>> = vec![None; limits.len()];
+        let mut at = vec![0; limits.len()];
         for (group, reply) in groups.iter().zip(replies) {
             let reply = reply.unwrap_or_else(|| {
                 Err(RedisError::Protocol(
@@ -691,6 +713,7 @@ impl RedisStore {
             })?;
             for (&i, verdict) in group.iter().zip(reply.per_limit) {
                 per_limit[i] = Some(verdict);
+                at[i] = reply.now;
             }
         }
         let per_limit: Vec<LimitVerdict> = per_limit
@@ -703,6 +726,7 @@ impl RedisStore {
                 .enumerate()
                 .all(|(i, v)| v.is_admitted() || shadow.get(i).copied().unwrap_or(false)),
             per_limit,
+            at,
         })
     }
 

@@ -62,6 +62,15 @@ pub(super) const RENEW_LUA: &str = concat!(
     include_str!("lua/renew.lua")
 );
 
+/// `settle.lua` as sent: charges or gives back what a request really cost, after its response.
+pub(super) const SETTLE_LUA: &str = concat!(
+    include_str!("lua/gcra.lua"),
+    "\n",
+    include_str!("lua/lib.lua"),
+    "\n",
+    include_str!("lua/settle.lua")
+);
+
 /// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
 pub(super) const SYNC_LUA: &str = include_str!("lua/sync.lua");
 /// The same for a gcra key: adds this instance's units to the shared TAT.
@@ -82,7 +91,7 @@ const SERVER_CLOCK: i64 = -1;
 pub const LIBRARY_LUA: &str = include_str!("lua/library.lua");
 
 /// The files library.lua includes, by the name its `--@` lines give.
-const LIBRARY_PARTS: [(&str, &str); 10] = [
+const LIBRARY_PARTS: [(&str, &str); 11] = [
     ("gcra.lua", include_str!("lua/gcra.lua")),
     ("lib.lua", include_str!("lua/lib.lua")),
     ("decide_gcra.lua", include_str!("lua/decide_gcra.lua")),
@@ -93,6 +102,7 @@ const LIBRARY_PARTS: [(&str, &str); 10] = [
     ("sync_gcra.lua", include_str!("lua/sync_gcra.lua")),
     ("release.lua", include_str!("lua/release.lua")),
     ("renew.lua", include_str!("lua/renew.lua")),
+    ("settle.lua", include_str!("lua/settle.lua")),
 ];
 
 /// The function library as loaded with `FUNCTION LOAD`: its name carries a digest of its code,
@@ -105,7 +115,7 @@ pub struct Library {
     /// What `FUNCTION LOAD` gets: the `#!lua name=` line, `local LIB = '<name>'`, the code.
     pub source: String,
     /// Function names, in [`Call`] order.
-    functions: [String; 7],
+    functions: [String; 8],
 }
 
 /// library.lua with its `--@` lines replaced by the files they name. bench/library_lua.sh does
@@ -169,10 +179,11 @@ pub enum Call {
     SyncGcra = 4,
     Release = 5,
     Renew = 6,
+    Settle = 7,
 }
 
 impl Call {
-    const ALL: [Call; 7] = [
+    const ALL: [Call; 8] = [
         Call::Decide,
         Call::Refund,
         Call::Peek,
@@ -180,6 +191,7 @@ impl Call {
         Call::SyncGcra,
         Call::Release,
         Call::Renew,
+        Call::Settle,
     ];
 
     /// The function's name in library.lua, after the library's name and `_`.
@@ -192,6 +204,7 @@ impl Call {
             Call::SyncGcra => "sync_gcra",
             Call::Release => "release",
             Call::Renew => "renew",
+            Call::Settle => "settle",
         }
     }
 }
@@ -217,6 +230,7 @@ pub(super) struct Scripts {
     sync_gcra: Script,
     release: Script,
     renew: Script,
+    settle: Script,
     library: &'static Library,
     /// Set when forced to, or once Redis turned `FCALL` or `FUNCTION LOAD` down as unknown (or
     /// not permitted): from then on every call is an EVALSHA, which every Redis has.
@@ -254,6 +268,7 @@ impl Scripts {
             sync_gcra: Script::from_lua(SYNC_GCRA_LUA),
             release: Script::from_lua(RELEASE_LUA),
             renew: Script::from_lua(RENEW_LUA),
+            settle: Script::from_lua(SETTLE_LUA),
             library: library(),
             evalsha_only: AtomicBool::new(path == ScriptPath::Evalsha),
         }
@@ -276,6 +291,7 @@ impl Scripts {
             Call::SyncGcra => &self.sync_gcra,
             Call::Release => &self.release,
             Call::Renew => &self.renew,
+            Call::Settle => &self.settle,
         }
     }
 
@@ -537,6 +553,25 @@ pub(super) fn renew_call(
         args.extend([(*id).min(MAX_PARAM) as i64, (*lease).min(MAX_PARAM) as i64]);
     }
     Ok((leases.iter().map(|(k, ..)| k.clone()).collect(), args))
+}
+
+/// KEYS and ARGV of one settle.lua call: `limit` (its `cost` the estimate) charged at `at`
+/// really cost `delta` more (or less, when negative).
+pub(super) fn settle_call(
+    limit: &GlobalLimit<'_>,
+    at: Micros,
+    delta: i64,
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    let bound = MAX_PARAM as i64;
+    let mut args = vec![
+        now_arg(now_override)?,
+        ttl_floor_ms(now_override),
+        now_arg(Some(at))?,
+        delta.clamp(-bound, bound),
+    ];
+    push_limit(&mut args, limit, 0)?;
+    Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 
 /// release.lua's or renew.lua's reply: one flag per lease.

@@ -109,9 +109,11 @@ impl GlobalStore for FakeStore<'_> {
                 Err(r) => LimitVerdict::Rejected(r),
             })
             .collect();
+        let at = vec![self.clock.now(); limits.len()];
         Ok(Decision {
             admitted,
             per_limit,
+            at,
         })
     }
 

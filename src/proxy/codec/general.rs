@@ -111,6 +111,7 @@ async fn handle(gateway: &Gateway, mut req: Request<Incoming>, peer: SocketAddr)
     };
     let status = resp.status().as_u16();
     end.answered(status);
+    end.response_head(status, resp.headers());
     let route = end.route().map(|r| r.name.clone());
     tracing::debug!(request_id = %request_id::LogId(id.as_bytes()), route = route.as_deref().unwrap_or("-"), %method, status, head_after = ?started.elapsed(), "request");
     if head && !http_body::Body::is_end_stream(resp.body()) {
@@ -217,7 +218,12 @@ impl http_body::Body for Guarded {
         let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
         let over = match &polled {
             std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => true,
-            std::task::Poll::Ready(Some(Ok(_))) => self.body.is_end_stream(),
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(trailers), Some(end)) = (frame.trailers_ref(), self.end.as_mut()) {
+                    end.trailers(trailers);
+                }
+                self.body.is_end_stream()
+            }
             std::task::Poll::Pending => false,
         };
         if over {

@@ -5,7 +5,9 @@
 //! N ms first; `/stream?bytes=N` streams N bytes back in 64 KiB chunks; `/first-chunk` answers as
 //! soon as the first body chunk arrived (proves the gateway streams request bodies);
 //! `/hop` answers with hop-by-hop headers that the gateway must remove; `/late-body?ms=N` sends
-//! its head at once and its body N ms later.
+//! its head at once and its body N ms later; `/usage?n=TEXT&status=S` answers status S
+//! (default 200) with `x-usage: TEXT` (none without `n`), as an upstream reporting a request's
+//! true cost does.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -198,6 +200,19 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
         r.headers_mut().insert("upgrade", "echo".parse().unwrap());
         r.headers_mut()
             .insert("connection", "upgrade".parse().unwrap());
+        return Ok(r);
+    }
+    if path.starts_with("/usage") {
+        let text = req.uri().query().unwrap_or("").split('&').find_map(|p| {
+            let (k, v) = p.split_once('=')?;
+            (k == "n").then(|| v.to_owned())
+        });
+        let mut r = Response::new(full("used"));
+        *r.status_mut() = hyper::StatusCode::from_u16(query(&req, "status").unwrap_or(200) as u16)
+            .unwrap_or(hyper::StatusCode::OK);
+        if let Some(text) = text {
+            r.headers_mut().insert("x-usage", text.parse().unwrap());
+        }
         return Ok(r);
     }
     if path.starts_with("/hop") {

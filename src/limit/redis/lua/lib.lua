@@ -81,7 +81,9 @@ end
 -- Each algorithm: load(l) -> state; check(l, s, now) -> admitted, remaining, reset_after,
 -- retry_after_or_delay; commit(l, s, now, floor_ms) writes what check decided;
 -- peek(l, s, now) -> remaining, reset_after; refund(l, at, now, floor_ms) undoes one commit
--- made at `at`.
+-- made at `at`; gcra and sliding_log also settle(l, at, delta, now, floor_ms) -> 1|0: the
+-- request charged `l.cost` at `at` really cost `l.cost + delta` (src/limit/algorithm/settle.rs,
+-- which it mirrors).
 local ALG = {}
 
 -- A script's body runs on every call, so the algorithms are built on first use: defining
@@ -130,6 +132,27 @@ BUILD[1] = function()
         return 0
       end
       gcra_store(l.keys[1], s.tat - back, now, floor_ms)
+      return 1
+    end,
+    -- The TAT moves by delta × t: a charge from no earlier than the admission's own TAT (a key
+    -- expired meanwhile is charged as the request would have been), a refund from the TAT as
+    -- it is. The key may go into debt (a TAT past now + tau).
+    settle = function(l, at, delta, now, floor_ms)
+      local s = ALG[1].load(l)
+      if delta > 0 then
+        -- A TAT already past is a full bucket, whether or not its key has expired yet.
+        local live = s.tat
+        if live <= now then
+          live = 0
+        end
+        local tat = math.max(live, at + s.t * l.cost) + s.t * delta
+        gcra_store(l.keys[1], tat, now, floor_ms)
+        return 1
+      end
+      if delta == 0 or s.tat == 0 then
+        return 0
+      end
+      gcra_store(l.keys[1], math.max(0, s.tat + s.t * delta), now, floor_ms)
       return 1
     end,
   }
@@ -489,6 +512,47 @@ BUILD[4] = function()
         end
         offset = offset + #page
       end
+    end,
+    -- The units recorded at `at` (the request's, merged with any others of that instant as the
+    -- Rust log merges them) grow by delta, as a member of their own; or shrink by -delta, taken
+    -- from that instant's members. An instant already expired changes nothing either way.
+    settle = function(l, at, delta, now, floor_ms)
+      if delta == 0 or at + l.period <= now then
+        return 0
+      end
+      local sum = num(redis.call('HGET', l.keys[2], 'sum'))
+      if delta > 0 then
+        local seq = redis.call('HINCRBY', l.keys[2], 'seq', 1)
+        redis.call('ZADD', l.keys[1], fmt(at), fmt(seq) .. ':' .. fmt(delta))
+        sum = sum + delta
+      else
+        local left = -delta
+        local members = redis.call('ZRANGEBYSCORE', l.keys[1], fmt(at), fmt(at))
+        for _, m in ipairs(members) do
+          if left == 0 then
+            break
+          end
+          local c = entry_cost(m)
+          local take = math.min(c, left)
+          redis.call('ZREM', l.keys[1], m)
+          if c > take then
+            redis.call('ZADD', l.keys[1], fmt(at), string.match(m, '^(%d+):') .. ':' .. fmt(c - take))
+          end
+          left = left - take
+          sum = math.max(0, sum - take)
+        end
+        if left == -delta then
+          return 0
+        end
+      end
+      local last = log_last_ts(l)
+      if last == nil then
+        redis.call('DEL', l.keys[1], l.keys[2])
+        return 1
+      end
+      redis.call('HSET', l.keys[2], 'sum', fmt(sum))
+      expire(l.keys, last + l.period, now, floor_ms)
+      return 1
     end,
   }
 end

@@ -25,6 +25,7 @@
 --   sync_gcra  sync_gcra.lua
 --   release    release.lua
 --   renew      renew.lua
+--   settle     settle.lua
 
 local KEYS, ARGV
 
@@ -78,6 +79,11 @@ local function renew(keys, args)
 --@ renew.lua
 end
 
+local function settle(keys, args)
+  KEYS, ARGV = keys, args
+--@ settle.lua
+end
+
 redis.register_function(LIB .. '_decide', decide)
 redis.register_function(LIB .. '_refund', refund)
 redis.register_function{ function_name = LIB .. '_peek', callback = peek, flags = { 'no-writes' } }
@@ -85,3 +91,4 @@ redis.register_function(LIB .. '_sync', sync)
 redis.register_function(LIB .. '_sync_gcra', sync_gcra)
 redis.register_function(LIB .. '_release', release)
 redis.register_function(LIB .. '_renew', renew)
+redis.register_function(LIB .. '_settle', settle)

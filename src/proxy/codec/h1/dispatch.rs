@@ -38,11 +38,10 @@ impl<S: ClientIo> Conn<S> {
         let host = head.host.clone().map(|r| &bytes[r]);
         let routed = pipeline::route(end.snapshot(), &head.method, Ok(host), uri.path());
         if let Ok(i) = routed {
-            if !end.snapshot().routes[i]
-                .upstreams
-                .iter()
-                .all(|u| u.scheme == Scheme::HTTP)
-            {
+            let route = &end.snapshot().routes[i];
+            // A route that settles costs from the response's trailers needs them read, which
+            // this codec (relaying a body's bytes as they come) does not: hyper serves it.
+            if !route.upstreams.iter().all(|u| u.scheme == Scheme::HTTP) || route.limits.settles {
                 return self.general(bytes);
             }
             end.routed(i);

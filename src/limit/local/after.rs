@@ -1,11 +1,12 @@
-//! Giving a concurrency slot back to the local store: the other half of a concurrency limit's
-//! decision, made when the request's exchange ends (see `limit::held`).
+//! The local store's half of the limits that end after the response (see `limit::held`): a
+//! concurrency slot given back when the request's exchange ends, and a request's cost settled
+//! once its response says what it was.
 //!
-//! Its own file beside the store: a release is no decision (nothing is checked, and no other
-//! limit takes part), just the key's count of held slots going down by one under its shard lock.
+//! Their own file beside the store: neither is a decision (nothing is checked, and no other
+//! limit takes part), just one key's state changed under its shard lock.
 
 use super::LocalStore;
-use crate::limit::algorithm::{Algorithm, Micros};
+use crate::limit::algorithm::{Algorithm, Micros, Settlement};
 
 impl LocalStore {
     /// Gives back `cost` slots of `key` that a decision under `algorithm` (a concurrency limit)
@@ -26,6 +27,29 @@ impl LocalStore {
             || algorithm.new_state(),
             |state, _| {
                 algorithm.release(state, cost);
+                algorithm.full_at(state)
+            },
+        );
+    }
+
+    /// Applies `s` to `key`'s state under `algorithm` (the rate its decision applied) at `now`.
+    /// A charge on a key no longer held (back to full and dropped) is charged as if from the
+    /// request's own admission; a refund on one has nothing to give back.
+    pub fn settle(&self, algorithm: &Algorithm, key: &[u8], s: Settlement, now: Micros) {
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        let found = shard.find(hash, key);
+        if s.delta <= 0 && shard.live_at(found, now).is_none() {
+            return;
+        }
+        shard.update_found(
+            found,
+            hash,
+            key,
+            now,
+            || algorithm.new_state(),
+            |state, _| {
+                algorithm.settle(state, s, now);
                 algorithm.full_at(state)
             },
         );

@@ -1,0 +1,23 @@
+-- settle.lua: after a response, charges or gives back the difference between a request's
+-- true cost and the estimate its decision charged, on the same key (gcra and sliding_log; see
+-- lib.lua's settle functions and src/limit/algorithm/settle.rs, which they mirror). Sent as
+-- `gcra.lua .. lib.lua .. settle.lua`.
+--
+-- KEYS:  the limit's keys, as for decide.lua
+-- ARGV:  [1] now override in µs, or -1 for the server clock (TIME)
+--        [2] minimum TTL in ms, as for decide.lua
+--        [3] the `now` the decide call returned (the instant the estimate was charged at)
+--        [4] delta: true cost minus the estimate (> 0 charges more, < 0 gives back)
+--        then 6: algo, count, period, burst, cost (the estimate), max_delay
+-- Returns 1 if the key's state changed, 0 if there was nothing to settle.
+
+local now = clock(ARGV[1])
+local floor_ms = tonumber(ARGV[2]) or 1
+local at = tonumber(ARGV[3])
+local delta = tonumber(ARGV[4])
+local l = read_limits(1, 4)[1]
+local settle = ALG[l.algo].settle
+if not (settle and at and delta) then
+  error('tollgate: cannot settle algorithm ' .. tostring(l.algo))
+end
+return settle(l, at, delta, now, floor_ms)

@@ -1,0 +1,408 @@
+//! Costs settled from the upstream's answer (`settle:`), on real sockets: a cost header that
+//! charges more (the key goes into debt, and its next request gets 429 with the exact
+//! `Retry-After`) or less; a cost trailer over HTTP/1.1 chunked and over HTTP/2; statuses that
+//! give the whole charge back (the upstream's and tollgate's own); a missing or unparsable
+//! value that keeps the estimate and is counted; the same in a real Redis, at one script call
+//! per settlement and none when the cost is the estimate.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tollgate::metrics::Format;
+
+use crate::support::redis::{RedisServer, command_calls};
+use crate::support::upstream::{self, Upstream};
+use crate::support::{Gateway, client, closed_addr, metric};
+
+/// `rate: 100/100s` (one unit a second), burst 10, estimate `cost`, keyed by `x-key`.
+fn tokens(algorithm: &str, cost: u64, scope: &str) -> String {
+    format!(
+        "      - name: tokens\n        key: [header:x-key]\n        algorithm: {algorithm}\n        rate: 100/100s\n        burst: 10\n        cost: {cost}\n        scope: {scope}\n        settle:\n          cost_header: x-usage\n          refund_status: [500-599]\n"
+    )
+    .replace(
+        "        burst: 10\n",
+        if algorithm == "gcra" {
+            "        burst: 10\n"
+        } else {
+            ""
+        },
+    )
+}
+
+fn yaml(redis: Option<&str>, routes: &[(&str, &str)], limits: &str) -> String {
+    let mut y = String::from("server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\n");
+    if let Some(url) = redis {
+        y.push_str(&format!(
+            "redis:\n  url: {url}\n  timeout: 2s\n  on_error: deny\n"
+        ));
+    }
+    y.push_str("routes:\n");
+    for (name, upstream) in routes {
+        y.push_str(&format!(
+            "  - name: {name}\n    match: {{ path_prefix: /{name} }}\n    upstream: {upstream}\n    limits:\n{limits}"
+        ));
+    }
+    y
+}
+
+async fn get(g: &Gateway, path: &str, key: &str) -> reqwest::Response {
+    client()
+        .get(g.url(path))
+        .header("x-key", key)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The `tokens` limit's state for `key` on `route` (the admin API).
+async fn state(g: &Gateway, route: &str, key: &str) -> Value {
+    g.admin_json(&format!("/admin/limits/{route}/tokens?key={key}"))
+        .await
+}
+
+fn series(g: &Gateway, name: &str, route: &str, extra: &str) -> f64 {
+    let text = g.shared.gateway.metrics.encode(Format::Text);
+    metric(
+        &text,
+        &format!("{name}{{route=\"{route}\",limit=\"tokens\"{extra}}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+fn settled(g: &Gateway, route: &str, direction: &str) -> f64 {
+    series(
+        g,
+        "tollgate_settled_units_total",
+        route,
+        &format!(",direction=\"{direction}\""),
+    )
+}
+
+/// A local gcra limit on a frozen clock: 1 charged, 15 used, so the key owes 5 units past its
+/// burst of 10; the next request is refused for exactly as long as its unit takes to free.
+#[tokio::test]
+async fn a_cost_header_charges_the_difference_and_the_debt_gives_an_exact_retry_after() {
+    let up = Upstream::start().await;
+    let (g, clock) = Gateway::start_manual(&yaml(
+        None,
+        &[("usage", &up.url())],
+        &tokens("gcra", 1, "local"),
+    ))
+    .await;
+    let r = get(&g, "/usage?n=15", "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-usage"],
+        "15",
+        "the cost header reaches the client"
+    );
+    // TAT = now + 15 s, tau = 10 s: one more unit fits when the TAT is 9 s ahead, in 6 s.
+    let r = get(&g, "/usage?n=1", "k").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "6");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["retry_after_ms"], 6000);
+    assert_eq!(state(&g, "usage", "k").await["reset_after_ms"], 15000);
+    clock.advance(5_999_999);
+    assert_eq!(get(&g, "/usage?n=1", "k").await.status(), 429);
+    clock.advance(1);
+    assert_eq!(get(&g, "/usage?n=1", "k").await.status(), 200);
+    // Cheaper than estimated: given back.
+    let (g2, _clock) = Gateway::start_manual(&yaml(
+        None,
+        &[("usage", &up.url())],
+        &tokens("gcra", 4, "local"),
+    ))
+    .await;
+    assert_eq!(get(&g2, "/usage?n=1", "k").await.status(), 200);
+    assert_eq!(state(&g2, "usage", "k").await["remaining"], 9);
+    assert_eq!(
+        (
+            settled(&g, "usage", "charged"),
+            settled(&g2, "usage", "refunded")
+        ),
+        (14.0, 3.0)
+    );
+}
+
+/// The sliding log owes its debt by the entries that must expire.
+#[tokio::test]
+async fn a_sliding_log_in_debt_refuses_until_its_entries_expire() {
+    let up = Upstream::start().await;
+    let (g, clock) = Gateway::start_manual(&yaml(
+        None,
+        &[("usage", &up.url())],
+        &tokens("sliding_log", 1, "local"),
+    ))
+    .await;
+    assert_eq!(get(&g, "/usage?n=130", "k").await.status(), 200);
+    clock.advance(1_000_000);
+    let r = get(&g, "/usage?n=1", "k").await;
+    assert_eq!(r.status(), 429);
+    // 130 units at t0 in a log of 100 per 100 s: free again when they expire, 99 s from now.
+    assert_eq!(r.headers()["retry-after"], "99");
+    clock.advance(99_000_000);
+    assert_eq!(get(&g, "/usage?n=1", "k").await.status(), 200);
+}
+
+/// A status in `refund_status` gives the whole charge back: the upstream's, and tollgate's own
+/// 502 when the upstream is down.
+#[tokio::test]
+async fn refund_status_gives_the_whole_charge_back() {
+    let up = Upstream::start().await;
+    let down = format!("http://{}", closed_addr());
+    let limits = tokens("gcra", 10, "local");
+    let (g, _clock) = Gateway::start_manual(&yaml(
+        None,
+        &[("usage", &up.url()), ("down", &down)],
+        &limits,
+    ))
+    .await;
+    for _ in 0..3 {
+        // The whole burst each time, all of it given back.
+        assert_eq!(get(&g, "/usage?status=503", "k").await.status(), 503);
+        assert_eq!(get(&g, "/down", "k").await.status(), 502);
+    }
+    assert_eq!(state(&g, "usage", "k").await["remaining"], 10);
+    assert_eq!(settled(&g, "usage", "refunded"), 30.0);
+    assert_eq!(settled(&g, "down", "refunded"), 30.0);
+    // A 200 keeps it.
+    assert_eq!(get(&g, "/usage", "k").await.status(), 200);
+    assert_eq!(get(&g, "/usage", "k").await.status(), 429);
+}
+
+/// No cost header, or one that is not a whole number: the estimate stays charged, and counted.
+#[tokio::test]
+async fn a_missing_or_unparsable_cost_keeps_the_estimate_and_is_counted() {
+    let up = Upstream::start().await;
+    let (g, _clock) = Gateway::start_manual(&yaml(
+        None,
+        &[("usage", &up.url())],
+        &tokens("gcra", 3, "local"),
+    ))
+    .await;
+    assert_eq!(get(&g, "/usage", "k").await.status(), 200);
+    assert_eq!(get(&g, "/usage?n=12.5", "k").await.status(), 200);
+    assert_eq!(get(&g, "/usage?n=-4", "k").await.status(), 200);
+    assert_eq!(state(&g, "usage", "k").await["remaining"], 1);
+    assert_eq!(
+        series(&g, "tollgate_settle_missing_total", "usage", ""),
+        3.0
+    );
+    assert_eq!(
+        settled(&g, "usage", "charged") + settled(&g, "usage", "refunded"),
+        0.0
+    );
+}
+
+/// The cost in a trailer of a chunked HTTP/1.1 answer, read whether the client speaks HTTP/1.1
+/// or HTTP/2 to tollgate.
+#[tokio::test]
+async fn a_cost_trailer_settles_over_http1_chunked_and_over_http2() {
+    let trailing = upstream::raw(&[
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-usage\r\n\r\n5\r\nhello\r\n",
+        b"0\r\nx-usage: 7\r\n\r\n",
+    ])
+    .await;
+    let (g, _clock) = Gateway::start_manual(&yaml(
+        None,
+        &[("t", &trailing)],
+        &tokens("gcra", 1, "local"),
+    ))
+    .await;
+    let r = get(&g, "/t", "one").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "hello");
+    assert_eq!(state(&g, "t", "one").await["remaining"], 3);
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let r = h2
+        .get(g.url("/t"))
+        .header("x-key", "two")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.text().await.unwrap(), "hello");
+    assert_eq!(state(&g, "t", "two").await["remaining"], 3);
+    assert_eq!(settled(&g, "t", "charged"), 12.0);
+}
+
+fn fcalls(redis: &RedisServer) -> u64 {
+    command_calls(&redis.cli(&["INFO", "commandstats"]), "fcall").0
+}
+
+async fn fcalls_reach(redis: &RedisServer, n: u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while fcalls(redis) < n && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // And a moment more, to see no call beyond.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fcalls(redis)
+}
+
+/// The same in Redis: one script call settles, none when the cost is the estimate; the debt
+/// gives the exact Retry-After on Redis's clock; a refund status gives the charge back.
+#[tokio::test]
+async fn global_settlements_take_one_script_call_and_owe_in_redis() {
+    let up = Upstream::start().await;
+    let redis = RedisServer::start();
+    for algorithm in ["gcra", "sliding_log"] {
+        let g = Gateway::start(&yaml(
+            Some(&redis.url()),
+            &[("usage", &up.url())],
+            &tokens(algorithm, 1, "global"),
+        ))
+        .await;
+        assert_eq!(get(&g, "/usage?n=1", "warm").await.status(), 200);
+        let before = fcalls_reach(&redis, 0).await;
+        // The cost is the estimate: the decision, nothing more.
+        assert_eq!(get(&g, "/usage?n=1", "same").await.status(), 200);
+        assert_eq!(
+            fcalls_reach(&redis, before + 1).await,
+            before + 1,
+            "{algorithm}"
+        );
+        // A refund status: the decision and one settlement.
+        assert_eq!(get(&g, "/usage?status=500", "back").await.status(), 500);
+        assert_eq!(
+            fcalls_reach(&redis, before + 3).await,
+            before + 3,
+            "{algorithm}"
+        );
+        // (The admin API's look at the key is one more call.)
+        let full = if algorithm == "gcra" { 10 } else { 100 };
+        assert_eq!(state(&g, "usage", "back").await["remaining"], full);
+        // 15 used on an estimate of 1.
+        assert_eq!(get(&g, "/usage?n=15", "k").await.status(), 200);
+        assert_eq!(
+            fcalls_reach(&redis, before + 6).await,
+            before + 6,
+            "{algorithm}"
+        );
+        let r = get(&g, "/usage?n=1", "k").await;
+        if algorithm == "gcra" {
+            // TAT 15 s ahead with tau 10 s: the next unit in 6 s (less the moment since).
+            assert_eq!(r.status(), 429);
+            assert_eq!(r.headers()["retry-after"], "6");
+        } else {
+            // 15 of 100 used: the log has room.
+            assert_eq!(r.status(), 200);
+            assert_eq!(state(&g, "usage", "k").await["remaining"], 84);
+        }
+        assert_eq!(settled(&g, "usage", "charged"), 14.0, "{algorithm}");
+        assert_eq!(settled(&g, "usage", "refunded"), 1.0, "{algorithm}");
+        redis.cli(&["FLUSHALL"]);
+    }
+}
+
+/// settle.lua against the Rust cores: random timelines of decisions and settlements (the clock
+/// overridden) fed to both give identical decisions and states, step by step, for gcra and the
+/// sliding log, on both ways the scripts reach Redis.
+mod mirror {
+    use std::sync::OnceLock;
+
+    use proptest::prelude::*;
+    use tollgate::limit::algorithm::{Algorithm, Gcra, Micros, Quota, Settlement, SlidingLog};
+    use tollgate::limit::redis::{
+        GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, ScriptPath,
+    };
+
+    use crate::support::redis::RedisServer;
+
+    const EPOCH: Micros = 1_700_000_000_000_000;
+
+    struct Shared {
+        rt: tokio::runtime::Runtime,
+        _server: RedisServer,
+        stores: Vec<RedisStore>,
+    }
+
+    fn shared() -> &'static Shared {
+        static S: OnceLock<Shared> = OnceLock::new();
+        S.get_or_init(|| {
+            let server = RedisServer::start();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            let stores = rt.block_on(async {
+                let mut settings = RedisSettings::new(RedisTarget::Single(server.url()));
+                settings.timeout = std::time::Duration::from_secs(5);
+                [ScriptPath::Functions, ScriptPath::Evalsha]
+                    .map(|p| RedisStore::connect_with(settings.clone(), p).unwrap())
+                    .to_vec()
+            });
+            Shared {
+                rt,
+                _server: server,
+                stores,
+            }
+        })
+    }
+
+    /// `(gap, estimate, true cost, settled how long after)` per request.
+    fn steps() -> impl Strategy<Value = Vec<(Micros, u64, u64, Micros)>> {
+        prop::collection::vec(
+            (
+                0..600_000u64,
+                1..4u64,
+                0..14u64,
+                prop_oneof![Just(0u64), 0..300_000u64],
+            ),
+            1..60,
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        #[test]
+        fn settle_lua_matches_rust(gcra in any::<bool>(), start in prop_oneof![Just(0u64), Just(EPOCH)], steps in steps()) {
+            let q = Quota { count: 10, period: 1_000_000, burst: 5 };
+            let alg = if gcra {
+                Algorithm::Gcra(Gcra::new(q))
+            } else {
+                Algorithm::SlidingLog(SlidingLog::new(q))
+            };
+            let sh = shared();
+            for (n, store) in sh.stores.iter().enumerate() {
+                static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let key = format!("tg:{{mirror-settle/{n}/{seq}}}");
+                sh.rt.block_on(async {
+                    let mut state = alg.new_state();
+                    let mut now = start;
+                    for (i, &(gap, estimate, cost, after)) in steps.iter().enumerate() {
+                        now += gap;
+                        let limit = GlobalLimit { algorithm: &alg, key: &key, cost: estimate, max_delay: 0 };
+                        let expected = alg.check(&state, now, estimate);
+                        let got = store.decide(&[limit], Some(now)).await.expect("decide");
+                        prop_assert_eq!(got.admitted, expected.is_ok(), "step {} at {}", i, now);
+                        if let (Ok(snapshot), Some(LimitVerdict::Admitted { snapshot: s, .. })) = (expected, got.per_limit.first()) {
+                            prop_assert_eq!(s, &snapshot);
+                        }
+                        if got.admitted {
+                            alg.commit(&mut state, now, estimate);
+                            let at = got.at[0];
+                            prop_assert_eq!(at, now);
+                            let delta = cost as i64 - estimate as i64;
+                            let settled_at = now + after;
+                            alg.settle(&mut state, Settlement { at, estimate, delta }, settled_at);
+                            store.settle(&limit, at, delta, Some(settled_at)).await.expect("settle");
+                            let (peek, _) = store.peek_at(&limit, Some(settled_at)).await.expect("peek");
+                            prop_assert_eq!(peek, alg.peek(&state, settled_at), "after settling step {} at {}", i, settled_at);
+                            now = settled_at;
+                        }
+                    }
+                    Ok(())
+                })?;
+            }
+        }
+    }
+}
