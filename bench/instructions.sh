@@ -16,7 +16,10 @@
 #
 # `admit-overrides` is `admit` behind five inline overrides and a 1,000,000-entry overrides
 # file that names the client's key (the cost of consumers' plans on the request path), and
-# `admit-shared` is `admit` drawing on a top-level shared limit; neither is run by default.
+# `admit-shared` is `admit` drawing on a top-level shared limit; `admit-slots` is `admit` with a
+# local concurrency limit in place of the gcra one (a slot taken and given back per request),
+# and `admit-quiet` is `admit` without RateLimit fields (`headers: false`), the like-for-like
+# gcra figure next to `admit-slots`, whose limit sends none; none of these is run by default.
 #
 # For each target of bench/load.sh that needs no Redis (proxy, admit, reject): tollgate runs
 # under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts

@@ -31,7 +31,7 @@ use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::algorithm::{Algorithm, Concurrency, Micros, Settlement};
+use super::algorithm::{Algorithm, Micros, Settlement};
 use super::clock::SharedClock;
 use super::local::LocalStore;
 use super::redis::{GlobalLimit, MAX_PARAM, RedisError, RedisStore};
@@ -43,9 +43,66 @@ use crate::metrics::{RedisErrors, SettleMetrics, SlotMetrics};
 const RENEW_TICK: Duration = Duration::from_millis(100);
 
 /// What an admitted request holds until its exchange ends. Empty for most requests (no
-/// concurrency limit), and then free to carry around.
+/// concurrency limit, no settlement): then one null word, carried and dropped for nothing,
+/// which keeps the futures and answers of the request path as small as they were. What a
+/// request does hold is boxed, and the box is kept for the next request of the thread rather
+/// than freed (the `spare` module): a malloc and its free cost more than the slot's own work
+/// (bench/instructions.sh, docs/benchmarks.md).
 #[derive(Default)]
-pub struct Held {
+pub struct Held(Option<Box<Holding>>);
+
+impl Drop for Held {
+    #[inline]
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            spare::put(h);
+        }
+    }
+}
+
+/// Emptied [`Holding`] boxes kept per thread for the next requests that hold something: up to
+/// [`spare::KEPT`], as many as a thread's requests overlap in time (each takes one at admission
+/// and puts it back when its exchange ends), beyond which a box is freed.
+mod spare {
+    use std::cell::RefCell;
+
+    use super::Holding;
+
+    /// Boxes kept per thread (each a few hundred bytes).
+    pub(super) const KEPT: usize = 64;
+
+    thread_local! {
+        // Boxes, not the values: what `take` hands out is a box, allocated once.
+        #[allow(clippy::vec_box, reason = "the boxes are what is reused")]
+        static SPARE: RefCell<Vec<Box<Holding>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// A box holding nothing: one of the thread's spares, or a new one.
+    #[inline]
+    pub(super) fn take() -> Box<Holding> {
+        SPARE
+            .try_with(|s| s.try_borrow_mut().ok()?.pop())
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// Empties `h` (giving back what it holds) and keeps it among the thread's spares.
+    #[inline]
+    pub(super) fn put(mut h: Box<Holding>) {
+        h.clear();
+        let _ = SPARE.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut()
+                && s.len() < KEPT
+            {
+                s.push(h);
+            }
+        });
+    }
+}
+
+#[derive(Default)]
+struct Holding {
     slots: SmallVec<[Slot; 1]>,
     settles: Vec<Settle>,
     /// The clock local settlements are applied on (the one their decision read).
@@ -55,8 +112,8 @@ pub struct Held {
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Held")
-            .field("slots", &self.slots.len())
-            .field("settles", &self.settles.len())
+            .field("slots", &self.slots())
+            .field("settles", &self.0.as_ref().map_or(0, |h| h.settles.len()))
             .finish()
     }
 }
@@ -65,28 +122,43 @@ impl Held {
     /// Whether nothing is held.
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty() && self.settles.is_empty()
+        self.0.is_none()
     }
 
     /// Whether settlements wait for the response.
     #[inline]
     pub fn settles(&self) -> bool {
-        !self.settles.is_empty()
+        self.0.as_ref().is_some_and(|h| !h.settles.is_empty())
+    }
+
+    /// Concurrency slots held.
+    pub fn slots(&self) -> usize {
+        self.0.as_ref().map_or(0, |h| h.slots.len())
+    }
+
+    #[inline]
+    fn more_mut(&mut self) -> Option<&mut Holding> {
+        self.0.as_deref_mut()
+    }
+
+    /// The box, taken from the thread's spare when first needed.
+    fn holding(&mut self) -> &mut Holding {
+        self.0.get_or_insert_with(spare::take)
     }
 
     /// The clock local settlements are applied on: the gateway's, which decided them.
     pub fn set_clock(&mut self, clock: SharedClock) {
-        self.clock = Some(clock);
+        if let Some(h) = self.more_mut() {
+            h.clock = Some(clock);
+        }
     }
 
     /// The response head went out with `status` and `headers`: the settlements its status
     /// gives back, or its cost header prices, are applied now; the others wait for trailers.
     pub fn response_head(&mut self, status: u16, headers: &http::HeaderMap) {
-        if self.settles.is_empty() {
-            return;
-        }
-        let now = self.now();
-        self.settles.retain(|s| {
+        let Some(h) = self.more_mut() else { return };
+        let now = h.now();
+        h.settles.retain(|s| {
             if s.config.refunds(status) {
                 s.apply(0, now);
                 return false;
@@ -97,29 +169,32 @@ impl Held {
 
     /// The response's trailers: the settlements still waiting read their cost there.
     pub fn trailers(&mut self, trailers: &http::HeaderMap) {
-        if self.settles.is_empty() {
-            return;
-        }
-        let now = self.now();
-        self.settles.retain(|s| !s.from(trailers, now));
+        let Some(h) = self.more_mut() else { return };
+        let now = h.now();
+        h.settles.retain(|s| !s.from(trailers, now));
     }
 
     /// The exchange ended: settlements that never learned their cost keep the estimate (and
     /// are counted), and the slots are given back.
     pub fn end(&mut self) {
-        for s in self.settles.drain(..) {
-            s.metrics.missing.inc();
+        if let Some(h) = self.0.take() {
+            for s in &h.settles {
+                s.metrics.missing.inc();
+            }
+            spare::put(h);
         }
-        self.slots.clear();
     }
 
-    fn now(&self) -> Micros {
-        self.clock.as_ref().map_or(0, |c| c.now())
+    /// Gives every slot back now (what dropping does); pending settlements are dropped
+    /// uncounted (the request was not forwarded).
+    pub fn release(&mut self) {
+        if let Some(h) = self.0.take() {
+            spare::put(h);
+        }
     }
 
     /// A settlement of a request charged `estimate` at `at` in a local store, for `key`
     /// decided under `algorithm`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn settle_local(
         &mut self,
         config: &Arc<SettleConfig>,
@@ -130,7 +205,7 @@ impl Held {
         (estimate, at): (u64, Micros),
     ) {
         let Some(metrics) = metrics else { return };
-        self.settles.push(Settle {
+        self.holding().settles.push(Settle {
             config: Arc::clone(config),
             metrics: metrics.clone(),
             estimate,
@@ -145,7 +220,6 @@ impl Held {
 
     /// A settlement of a request charged `estimate` at `at` (Redis time) on `key` (the limit's
     /// base key) in the store of `book`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn settle_global(
         &mut self,
         config: &Arc<SettleConfig>,
@@ -156,7 +230,7 @@ impl Held {
         (estimate, at): (u64, Micros),
     ) {
         let Some(metrics) = metrics else { return };
-        self.settles.push(Settle {
+        self.holding().settles.push(Settle {
             config: Arc::clone(config),
             metrics: metrics.clone(),
             estimate,
@@ -169,44 +243,42 @@ impl Held {
         });
     }
 
-    /// Concurrency slots held.
-    pub fn slots(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// A slot taken in `store` for `key` at `now` (a local limit, or a global one decided by its
+    /// A slot taken in `store` for `key` (a local limit, or a global one decided by its
     /// fallback while Redis could not answer).
     pub(super) fn local(
         &mut self,
         store: &Arc<LocalStore>,
-        slots: &Concurrency,
         key: &[u8],
-        now: Micros,
         metrics: Option<&SlotMetrics>,
     ) {
         let in_flight = metrics.map(|m| {
             m.in_flight.inc();
             m.in_flight.clone()
         });
-        self.slots.push(Slot::Local(LocalSlot {
+        let slot = LocalSlot {
             store: Arc::clone(store),
-            slots: slots.clone(),
             key: SmallVec::from_slice(key),
-            now,
             in_flight,
-        }));
+        };
+        self.holding().slots.push(Slot::Local(slot));
     }
 
     /// A lease Redis granted.
     pub(super) fn lease(&mut self, lease: Lease) {
-        self.slots.push(Slot::Lease(lease));
+        self.holding().slots.push(Slot::Lease(lease));
+    }
+}
+
+impl Holding {
+    fn now(&self) -> Micros {
+        self.clock.as_ref().map_or(0, |c| c.now())
     }
 
-    /// Gives every slot back now (what dropping does); pending settlements are dropped
-    /// uncounted (the request was not forwarded).
-    pub fn release(&mut self) {
+    /// Gives back everything held (slots released, settlements dropped uncounted).
+    fn clear(&mut self) {
         self.slots.clear();
         self.settles.clear();
+        self.clock = None;
     }
 }
 
@@ -316,17 +388,14 @@ enum Slot {
 /// A slot of a local store, given back when dropped.
 struct LocalSlot {
     store: Arc<LocalStore>,
-    slots: Concurrency,
-    key: SmallVec<[u8; 32]>,
-    /// When it was taken: time enough for the release (slots do not expire).
-    now: Micros,
+    /// An IP address's text, or a short id, stays inline.
+    key: SmallVec<[u8; 24]>,
     in_flight: Option<prometheus_client::metrics::gauge::Gauge>,
 }
 
 impl Drop for LocalSlot {
     fn drop(&mut self) {
-        let alg = Algorithm::Concurrency(self.slots.clone());
-        self.store.release(&alg, &self.key, 1, self.now);
+        self.store.release(&self.key, 1);
         if let Some(g) = &self.in_flight {
             g.dec();
         }

@@ -749,10 +749,10 @@ impl LimitSet {
             _ => {}
         }
         self.record_rejection(&verdict, keys, spans, now);
-        let held = match verdict {
-            Verdict::Admit { .. } => held,
-            _ => Held::default(),
-        };
+        let mut held = held;
+        if !held.is_empty() && !matches!(verdict, Verdict::Admit { .. }) {
+            held.release();
+        }
         (verdict, held)
     }
 
@@ -835,14 +835,8 @@ impl LimitSet {
             if v.is_err() {
                 continue;
             }
-            if let Some(slots) = l.slots() {
-                held.local(
-                    &l.store,
-                    slots,
-                    &keys[s..e],
-                    cx.now,
-                    l.metrics.slots.as_ref(),
-                );
+            if l.slots().is_some() {
+                held.local(&l.store, &keys[s..e], l.metrics.slots.as_ref());
             }
             if let Some(settle) = &l.settle {
                 held.settle_local(

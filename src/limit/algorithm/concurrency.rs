@@ -21,6 +21,16 @@ pub struct ConcurrencyState {
     pub held: u64,
 }
 
+impl ConcurrencyState {
+    /// Gives `cost` slots back (never below none); returns when the state may be dropped, as
+    /// [`Concurrency::full_at`] does. Needs no parameter of the limit, so a slot is given back
+    /// with nothing but its key.
+    pub fn release(&mut self, cost: u64) -> Micros {
+        self.held = self.held.saturating_sub(cost);
+        if self.held == 0 { 0 } else { Micros::MAX }
+    }
+}
+
 /// A concurrency limit's parameters.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Concurrency {
@@ -97,7 +107,7 @@ impl Concurrency {
     /// Gives `cost` slots back (never below none: a key reset by the admin API meanwhile holds
     /// none of them any more).
     pub fn release(&self, state: &mut ConcurrencyState, cost: u64) {
-        state.held = state.held.saturating_sub(cost);
+        state.release(cost);
     }
 
     /// Slots free now.

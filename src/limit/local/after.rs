@@ -6,28 +6,31 @@
 //! limit takes part), just one key's state changed under its shard lock.
 
 use super::LocalStore;
-use crate::limit::algorithm::{Algorithm, Micros, Settlement};
+use crate::limit::algorithm::{Algorithm, ConcurrencyState, Micros, Settlement, State};
 
 impl LocalStore {
-    /// Gives back `cost` slots of `key` that a decision under `algorithm` (a concurrency limit)
-    /// took. A key no longer held (the admin API reset it) stays as it is. `now` is any recent
-    /// local time: slots do not expire, the table only uses it to drop other keys that have.
-    pub fn release(&self, algorithm: &Algorithm, key: &[u8], cost: u64, now: Micros) {
+    /// Gives back `cost` slots of `key` that a concurrency limit's decision took. A key no
+    /// longer held (the admin API reset it), or holding another kind of state (its limit is no
+    /// longer a concurrency limit), stays as it is. A key holding slots never expires (its
+    /// `full_at` is the end of time), so no clock is needed: any instant reads it as live, and
+    /// one that holds none, or was forgotten, as gone.
+    pub fn release(&self, key: &[u8], cost: u64) {
+        const ANY: Micros = 0;
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
         let found = shard.find(hash, key);
-        if shard.live_at(found, now).is_none() {
+        if !matches!(shard.live_at(found, ANY), Some(State::Concurrency(_))) {
             return;
         }
         shard.update_found(
             found,
             hash,
             key,
-            now,
-            || algorithm.new_state(),
-            |state, _| {
-                algorithm.release(state, cost);
-                algorithm.full_at(state)
+            ANY,
+            || State::Concurrency(ConcurrencyState::default()),
+            |state, _| match state {
+                State::Concurrency(s) => s.release(cost),
+                _ => 0,
             },
         );
     }
@@ -76,12 +79,12 @@ mod tests {
         assert!(decide(&check, 10).0);
         assert!(!decide(&check, 10).0, "the one slot is taken");
         assert_eq!(store.sweep(u64::MAX - 1), 1, "a held slot never expires");
-        store.release(&alg, b"k", 1, 20);
+        store.release(b"k", 1);
         assert_eq!(store.sweep(20), 0, "a key holding none is gone");
         assert!(decide(&check, 30).0);
         // A key forgotten meanwhile (the admin API's reset) is not written by a release.
         assert!(store.forget(b"k", 30));
-        store.release(&alg, b"k", 1, 40);
+        store.release(b"k", 1);
         assert!(store.is_empty() || store.sweep(40) == 0);
     }
 }
