@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_saphyr::Spanned;
 
 use super::Invalid;
-use super::rate::{DurationText, parse_rate};
+use super::rate::DurationText;
 use super::raw::{RawLimit, Text};
 use super::types::{
     AlgorithmKind, Consistency, KeyPart, LimitConfig, OnLimit, OnMissing, Rate, Scope,
@@ -42,8 +42,6 @@ pub(super) fn limit(
             format!("limit `{name}` has no `rate`: add e.g. `rate: 100/1m` (COUNT/PERIOD)"),
         ));
     };
-    let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(&rate_text), e))?;
-
     let key = match raw.key {
         Some(list) => {
             let list_at = at(&list);
@@ -88,6 +86,12 @@ pub(super) fn limit(
         )?,
         None => AlgorithmKind::Gcra,
     };
+    let (rate, calendar) = super::calendar::rate_and_windows(
+        &rate_text,
+        raw.align.as_ref(),
+        raw.timezone.as_ref(),
+        algorithm,
+    )?;
     check_precision(algorithm, rate, &rate_text)?;
 
     let burst = match raw.burst {
@@ -199,6 +203,11 @@ pub(super) fn limit(
                 Consistency::Eventual if on_limit == OnLimit::Delay && !max_delay.is_zero() => {
                     Some("a reserved slot must be taken where every instance sees it")
                 }
+                // The counts exchanged are keyed by epoch windows of one length; a quota of a
+                // day or a month is rarely hot enough per key to need them.
+                Consistency::Eventual if calendar.is_some() => {
+                    Some("calendar windows are decided in Redis on its clock")
+                }
                 _ => None,
             };
             match strict_because {
@@ -236,6 +245,7 @@ pub(super) fn limit(
         shadow: raw.shadow.unwrap_or(false),
         consistency,
         sync_interval,
+        calendar,
     })
 }
 

@@ -6,6 +6,7 @@
 //! types below, which the rest of the proxy uses without re-checking anything.
 //! A `Config` that exists is a config that is safe to run.
 
+mod calendar;
 mod limit;
 mod rate;
 mod raw;
@@ -21,6 +22,7 @@ mod tests;
 
 use std::path::{Path, PathBuf};
 
+pub use self::calendar::{CalendarUnit, CalendarWindows};
 pub use self::summary::summary;
 pub use self::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,

@@ -106,6 +106,8 @@ pub(super) struct RawLimit {
     pub shadow: Option<bool>,
     pub consistency: Option<Text>,
     pub sync_interval: Option<Text>,
+    pub align: Option<Text>,
+    pub timezone: Option<Text>,
 }
 
 /// `upstream: URL` or `upstream: [URL, ...]` (likewise `key`, `methods`, ...).

@@ -6,6 +6,7 @@
 
 use std::fmt::Write as _;
 
+use super::calendar::{CalendarUnit, CalendarWindows};
 use super::rate::DurationText;
 use super::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, PathMatch,
@@ -13,8 +14,14 @@ use super::types::{
 };
 
 /// What `tollgate check` prints for `cfg`: listeners, Redis (credentials redacted), and each
-/// route and limit with its defaults spelled out and its admission bound in words.
+/// route and limit with its defaults spelled out and its admission bound in words; a calendar
+/// limit with its window now.
 pub fn summary(cfg: &Config) -> String {
+    summary_at(cfg, jiff::Timestamp::now())
+}
+
+/// [`summary`] with calendar windows shown as they are at `now`.
+pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
     let mut out = String::new();
     let s = &cfg.server;
     let token = if s.admin_token.is_some() {
@@ -100,12 +107,12 @@ pub fn summary(cfg: &Config) -> String {
         let _ = writeln!(out, "routes   {} (first match wins)", cfg.routes.len());
     }
     for route in &cfg.routes {
-        write_route(&mut out, route);
+        write_route(&mut out, route, now);
     }
     out
 }
 
-fn write_route(out: &mut String, route: &RouteConfig) {
+fn write_route(out: &mut String, route: &RouteConfig, now: jiff::Timestamp) {
     let m = &route.matcher;
     let path = match &m.path {
         PathMatch::Exact(p) => format!("path {p}"),
@@ -168,12 +175,22 @@ fn write_route(out: &mut String, route: &RouteConfig) {
         let _ = writeln!(out, "  no limits");
     }
     for limit in &route.limits {
-        write_limit(out, limit);
+        write_limit(out, limit, now);
     }
 }
 
-fn write_limit(out: &mut String, l: &LimitConfig) {
-    let mut algo = format!("{} {}", l.algorithm, l.rate);
+fn write_limit(out: &mut String, l: &LimitConfig, now: jiff::Timestamp) {
+    let mut algo = match &l.calendar {
+        None => format!("{} {}", l.algorithm, l.rate),
+        Some(c) => format!(
+            "{} {}/{}, calendar {}s in {}",
+            l.algorithm,
+            l.rate.count,
+            c.unit,
+            c.unit.noun(),
+            c.zone_name()
+        ),
+    };
     if l.algorithm == AlgorithmKind::Gcra {
         let _ = write!(algo, " burst {}", l.burst);
     }
@@ -210,6 +227,46 @@ fn write_limit(out: &mut String, l: &LimitConfig) {
         },
     );
     let _ = writeln!(out, "    {}", admission_bound(l));
+    if let Some(c) = &l.calendar {
+        let _ = writeln!(out, "    {}", current_window(c, now));
+    }
+}
+
+/// The calendar window holding `now`, in the zone's civil time: when the budget was last full
+/// and when it is full again.
+fn current_window(c: &CalendarWindows, now: jiff::Timestamp) -> String {
+    use crate::limit::algorithm::{Calendar, calendar::Unit};
+    let unit = match c.unit {
+        CalendarUnit::Day => Unit::Day,
+        CalendarUnit::Week => Unit::Week,
+        CalendarUnit::Month => Unit::Month,
+    };
+    let micros = u64::try_from(now.as_microsecond()).unwrap_or(0);
+    let (start, end) = Calendar::new(unit, c.timezone.clone()).window_at(micros);
+    let civil = |t: u64| {
+        i64::try_from(t)
+            .ok()
+            .and_then(|t| jiff::Timestamp::from_microsecond(t).ok())
+            .map_or_else(
+                || "?".to_owned(),
+                |t| {
+                    t.to_zoned_datetime(c.timezone.clone())
+                        .strftime("%Y-%m-%d %H:%M %Z")
+                        .to_string()
+                },
+            )
+    };
+    format!(
+        "current window {} to {} ({}); the next starts at {}",
+        civil(start),
+        civil(end),
+        span_text(end - start),
+        match c.unit {
+            CalendarUnit::Day => "local midnight",
+            CalendarUnit::Week => "Monday 00:00",
+            CalendarUnit::Month => "00:00 on the 1st",
+        }
+    )
 }
 
 /// The spec's upper bound on admissions in any interval of one period, per key.
@@ -225,6 +282,20 @@ fn admission_bound(l: &LimitConfig) -> String {
                     "at most {total}{} per {period} (burst {} + {count})",
                     unit_word(l.cost),
                     l.burst
+                ),
+            )
+        }
+        AlgorithmKind::FixedWindow if l.calendar.is_some() => {
+            let total = count.saturating_mul(2);
+            let (noun, zone) = l
+                .calendar
+                .as_ref()
+                .map_or(("day", "UTC"), |c| (c.unit.noun(), c.zone_name()));
+            (
+                total,
+                format!(
+                    "at most {count}{} per calendar {noun} ({zone} civil time: a day is 23 or 25 hours where the zone changes its clocks); {total} across a window boundary (2 × {count})",
+                    unit_word(l.cost)
                 ),
             )
         }
@@ -275,6 +346,27 @@ fn admission_bound(l: &LimitConfig) -> String {
         text = format!("not enforced (shadow); would allow {text}");
     }
     text
+}
+
+/// A window's length as a person says it: `23 h`, `7 days 1 h`, `31 days`, `23 h 30 min`.
+fn span_text(micros: u64) -> String {
+    let minutes = micros / 60_000_000;
+    let (days, hours, mins) = (minutes / 1440, minutes / 60 % 24, minutes % 60);
+    let mut parts = Vec::new();
+    if days <= 1 {
+        if days * 24 + hours > 0 {
+            parts.push(format!("{} h", days * 24 + hours));
+        }
+    } else {
+        parts.push(format!("{days} days"));
+        if hours > 0 {
+            parts.push(format!("{hours} h"));
+        }
+    }
+    if mins > 0 || parts.is_empty() {
+        parts.push(format!("{mins} min"));
+    }
+    parts.join(" ")
 }
 
 fn unit_word(cost: u64) -> &'static str {

@@ -271,6 +271,9 @@ pub struct LimitConfig {
     pub consistency: Consistency,
     /// How often an `eventual` limit exchanges counts with Redis.
     pub sync_interval: Duration,
+    /// `align: calendar` (fixed_window only): windows are the days, weeks or months of a zone,
+    /// and `rate.period` their nominal length. `None`: windows aligned to the epoch.
+    pub calendar: Option<super::CalendarWindows>,
 }
 
 /// Field by field as the YAML has them, so the output loads back as a routes.yaml; `burst`
@@ -279,12 +282,15 @@ impl Serialize for LimitConfig {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
         let gcra = self.algorithm == AlgorithmKind::Gcra;
-        let mut m = s.serialize_struct("LimitConfig", 13)?;
+        let mut m = s.serialize_struct("LimitConfig", 15)?;
         m.serialize_field("name", &self.name)?;
         m.serialize_field("key", &self.key)?;
         m.serialize_field("on_missing", &self.on_missing)?;
         m.serialize_field("algorithm", &self.algorithm)?;
-        m.serialize_field("rate", &self.rate)?;
+        match &self.calendar {
+            None => m.serialize_field("rate", &self.rate)?,
+            Some(c) => m.serialize_field("rate", &format!("{}/{}", self.rate.count, c.unit))?,
+        }
         if gcra {
             m.serialize_field("burst", &self.burst)?;
         } else {
@@ -300,6 +306,13 @@ impl Serialize for LimitConfig {
             "sync_interval",
             &DurationText(self.sync_interval).to_string(),
         )?;
+        if let Some(c) = &self.calendar {
+            m.serialize_field("align", "calendar")?;
+            m.serialize_field("timezone", c.zone_name())?;
+        } else {
+            m.skip_field("align")?;
+            m.skip_field("timezone")?;
+        }
         m.end()
     }
 }

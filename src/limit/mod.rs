@@ -409,10 +409,24 @@ pub fn algorithm_for(config: &LimitConfig) -> Algorithm {
     };
     match config.algorithm {
         AlgorithmKind::Gcra => Algorithm::Gcra(Gcra::new(quota)),
-        AlgorithmKind::FixedWindow => Algorithm::FixedWindow(FixedWindow::new(quota)),
+        AlgorithmKind::FixedWindow => Algorithm::FixedWindow(match &config.calendar {
+            None => FixedWindow::new(quota),
+            Some(c) => FixedWindow::calendar(quota, calendar_windows(c)),
+        }),
         AlgorithmKind::SlidingWindow => Algorithm::SlidingWindow(SlidingWindow::new(quota)),
         AlgorithmKind::SlidingLog => Algorithm::SlidingLog(SlidingLog::new(quota)),
     }
+}
+
+/// The window function of `align: calendar`.
+fn calendar_windows(c: &crate::config::CalendarWindows) -> algorithm::Calendar {
+    use crate::config::CalendarUnit;
+    let unit = match c.unit {
+        CalendarUnit::Day => algorithm::calendar::Unit::Day,
+        CalendarUnit::Week => algorithm::calendar::Unit::Week,
+        CalendarUnit::Month => algorithm::calendar::Unit::Month,
+    };
+    algorithm::Calendar::new(unit, c.timezone.clone())
 }
 
 /// What the `RateLimit` fields report: one limit's state.

@@ -1,5 +1,6 @@
 //! Every validation rule with its exact position, and the shipped files.
 
+mod calendar;
 mod errors;
 mod limits;
 mod tls;

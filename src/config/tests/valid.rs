@@ -70,6 +70,7 @@ fn spec_limit() -> LimitConfig {
         shadow: false,
         consistency: Consistency::Strict,
         sync_interval: Duration::from_millis(100),
+        calendar: None,
     }
 }
 
@@ -215,6 +216,7 @@ fn defaults_are_applied() {
                 shadow: false,
                 consistency: Consistency::Strict,
                 sync_interval: Duration::from_millis(100),
+                calendar: None,
             }],
             rejection: None,
         }
@@ -248,6 +250,7 @@ fn defaults_are_applied() {
             shadow: true,
             consistency: Consistency::Strict,
             sync_interval: Duration::from_millis(100),
+            calendar: None,
         }
     );
     assert_eq!(prefix.matcher.path, PathMatch::Prefix("/static".into()));
