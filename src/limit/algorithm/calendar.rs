@@ -361,6 +361,32 @@ mod tests {
     }
 
     #[test]
+    fn a_clock_set_back_across_midnight_leaves_the_day_started() {
+        // UTC+2 in summer, UTC+1 in winter, summer ending at 00:30 on Oct 27, 2024: the clock
+        // shows Oct 27 00:29, then Oct 26 23:30 again. The 27th began at its first midnight,
+        // and the half hour that reads the 26th again belongs to it.
+        let c = Calendar::new(
+            Unit::Day,
+            TimeZone::posix("AAA-1BBB-2,M3.5.0/2,M10.5.0/0:30").unwrap(),
+        );
+        let utc = |s: &str| {
+            let ts: Timestamp = s.parse().unwrap();
+            u64::try_from(ts.as_microsecond()).unwrap()
+        };
+        let first_midnight = utc("2024-10-26T22:00:00Z");
+        let next_midnight = utc("2024-10-27T23:00:00Z");
+        assert_eq!(
+            c.window_at(utc("2024-10-26T22:45:00Z")),
+            (first_midnight, next_midnight)
+        );
+        assert_eq!(
+            c.window_at(first_midnight - 1),
+            (utc("2024-10-25T22:00:00Z"), first_midnight)
+        );
+        assert_eq!(next_midnight - first_midnight, 25 * HOUR);
+    }
+
+    #[test]
     fn the_cache_answers_as_the_rules_do_and_end_of_knows_the_neighbours() {
         let c = Calendar::new(Unit::Day, zone("Europe/Berlin"));
         let t = at("Europe/Berlin", 2024, 10, 27, 12, 0);
@@ -413,6 +439,39 @@ mod tests {
         ])
     }
 
+    /// An arbitrary zone with daylight saving, as a POSIX TZ rule: a standard offset east of
+    /// UTC (whole, half or three-quarter hours), a shift of 30 minutes to 2 hours, and the two
+    /// changes on any month, week and weekday at 00:00 to 03:00 local: at midnight too, where
+    /// spring skips the day's first instant, and at 00:30, where autumn sets the clock back
+    /// across midnight into the day before.
+    fn posix_zone() -> impl Strategy<Value = String> {
+        let at = prop::sample::select(vec!["0", "0:30", "1", "2", "3"]);
+        let change = (1u8..=12, 1u8..=5, 0u8..=6, at);
+        (
+            -12i32..=12,
+            prop::sample::select(vec![0, 30, 45]),
+            prop::sample::select(vec![30, 60, 120]),
+            change.clone(),
+            change,
+        )
+            .prop_map(
+                |(hours, minutes, shift, (m1, w1, d1, t1), (m2, w2, d2, t2))| {
+                    let std = hours * 60 + if hours < 0 { -minutes } else { minutes };
+                    // POSIX offsets are west of UTC: UTC+1 is written -1.
+                    let posix = |east: i32| {
+                        let west = -east;
+                        let sign = if west < 0 { "-" } else { "" };
+                        format!("{sign}{}:{:02}", west.abs() / 60, west.abs() % 60)
+                    };
+                    format!(
+                        "AAA{}BBB{},M{m1}.{w1}.{d1}/{t1},M{m2}.{w2}.{d2}/{t2}",
+                        posix(std),
+                        posix(std + shift)
+                    )
+                },
+            )
+    }
+
     fn units() -> impl Strategy<Value = Unit> {
         prop::sample::select(vec![Unit::Day, Unit::Week, Unit::Month])
     }
@@ -449,6 +508,26 @@ mod tests {
                 let (lo, hi) = match unit {
                     Unit::Month => (27 * DAY, 32 * DAY),
                     _ => (nominal - DAY, nominal + DAY),
+                };
+                prop_assert!(lo <= len && len <= hi, "{} {:?}: {} µs", tz, unit, len);
+            }
+        }
+
+        /// Tiling holds for arbitrary rules too, clock changes at midnight included.
+        #[test]
+        fn windows_tile_time_in_arbitrary_zones(tz in posix_zone(), unit in units(), now in 0..UNTIL_2100) {
+            let zone = TimeZone::posix(&tz).unwrap();
+            let c = Calendar::new(unit, zone);
+            let b = c.compute_bounds(now);
+            prop_assert!(b.prev <= b.start && b.start <= now && now < b.end && b.end < b.next, "{tz}: {b:?}");
+            prop_assert_eq!(c.compute(b.end), (b.end, b.next), "{}", tz);
+            prop_assert_eq!(c.compute(b.end - 1), (b.start, b.end), "{}", tz);
+            if b.start > 0 {
+                prop_assert_eq!(c.compute(b.start - 1), (b.prev, b.start), "{}", tz);
+                let len = b.end - b.start;
+                let (lo, hi) = match unit {
+                    Unit::Month => (28 * DAY - 3 * HOUR, 31 * DAY + 3 * HOUR),
+                    u => (u.nominal() - 3 * HOUR, u.nominal() + 3 * HOUR),
                 };
                 prop_assert!(lo <= len && len <= hi, "{} {:?}: {} µs", tz, unit, len);
             }

@@ -246,6 +246,9 @@ impl Inner {
             Err(_) => Err(timed_out(client)),
         };
         self.record(result.as_ref().map(|_| ()));
+        if let Err(e @ RedisError::Script(_)) = &result {
+            warn_script_error(e);
+        }
         result
     }
 
@@ -307,6 +310,20 @@ impl Drop for Inner {
                 let _ = tokio::time::timeout(Duration::from_secs(1), subscriber.quit()).await;
             });
         }
+    }
+}
+
+/// Logs a script's error reply at most once a second: a bad deployment or an instance whose
+/// clock is more than a calendar window from Redis's fails every call, and `on_error` answers
+/// each of them (each is counted in `tollgate_redis_errors_total{kind="script"}`).
+fn warn_script_error(e: &RedisError) {
+    use std::sync::atomic::AtomicU64;
+    static LAST_SECOND: AtomicU64 = AtomicU64::new(u64::MAX);
+    let second = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST_SECOND.swap(second, Ordering::Relaxed) != second {
+        tracing::warn!(error = %e, "redis script failed; on_error decides (logged once a second)");
     }
 }
 
@@ -465,6 +482,21 @@ impl RedisStore {
         shadow: &[bool],
         now_override: Option<Micros>,
     ) -> Result<Decision, RedisError> {
+        let instance_now = script::instance_now(now_override);
+        self.decide_seen_from(limits, shadow, now_override, instance_now)
+            .await
+    }
+
+    /// [`RedisStore::decide_with_shadows`] with the calendar windows sent around `instance_now`
+    /// rather than this instance's clock: what an instance whose clock is that far from Redis's
+    /// sends (tests of the skew the scripts absorb; Redis's clock decides the window).
+    pub async fn decide_seen_from(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+        now_override: Option<Micros>,
+        instance_now: Micros,
+    ) -> Result<Decision, RedisError> {
         if limits.is_empty() {
             return Ok(Decision {
                 admitted: true,
@@ -475,7 +507,7 @@ impl RedisStore {
         let groups = self.groups(limits);
         if groups.len() == 1 {
             let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
-            let (keys, args) = script::decide_call(&all, shadow, now_override)?;
+            let (keys, args) = script::decide_call(&all, shadow, now_override, instance_now)?;
             let reply = self.inner.eval(Call::Decide, keys, args).await?;
             let reply = script::decode_decide(&reply, limits.len(), shadow)?;
             return Ok(Decision {
@@ -483,7 +515,7 @@ impl RedisStore {
                 per_limit: reply.per_limit,
             });
         }
-        self.decide_split(limits, shadow, groups, now_override)
+        self.decide_split(limits, shadow, groups, now_override, instance_now)
             .await
     }
 
@@ -513,6 +545,7 @@ impl RedisStore {
         shadow: &[bool],
         groups: Vec<Vec<usize>>,
         now_override: Option<Micros>,
+        instance_now: Micros,
     ) -> Result<Decision, RedisError> {
         // Owned copies for the task; a refund needs each limit's keys and arguments again.
         let mut calls = Vec::with_capacity(groups.len());
@@ -522,7 +555,7 @@ impl RedisStore {
                 .iter()
                 .map(|&i| shadow.get(i).copied().unwrap_or(false))
                 .collect();
-            let decide = script::decide_call(&members, &flags, now_override)?;
+            let decide = script::decide_call(&members, &flags, now_override, instance_now)?;
             let decide = (decide, flags);
             let refunds: Vec<(Algorithm, String, u64, Micros)> = members
                 .iter()
