@@ -5,6 +5,7 @@
 mod support;
 
 mod admin;
+mod calendar;
 mod cli;
 mod consumer_keys;
 mod delay;
