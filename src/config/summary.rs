@@ -291,10 +291,15 @@ fn admission_bound(l: &LimitConfig) -> String {
                 .calendar
                 .as_ref()
                 .map_or(("day", "UTC"), |c| (c.unit.noun(), c.zone_name()));
+            let changes = if noun == "day" {
+                "a day is 23 or 25 hours where the zone changes its clocks".to_owned()
+            } else {
+                format!("a {noun} holding a clock change is an hour shorter or longer")
+            };
             (
                 total,
                 format!(
-                    "at most {count}{} per calendar {noun} ({zone} civil time: a day is 23 or 25 hours where the zone changes its clocks); {total} across a window boundary (2 × {count})",
+                    "at most {count}{} per calendar {noun} ({zone} civil time: {changes}); {total} across a window boundary (2 × {count})",
                     unit_word(l.cost)
                 ),
             )
