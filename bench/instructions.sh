@@ -3,6 +3,7 @@
 #
 #   bench/instructions.sh                          # target/release/tollgate
 #   TOLLGATE_BIN=/tmp/old-tollgate bench/instructions.sh
+#   TARGETS="admit admit-fixed admit-calendar" bench/instructions.sh   # other targets
 #   KEEP=1 bench/instructions.sh                   # keep the profiles, then e.g.
 #   callgrind_annotate --inclusive=yes /tmp/tollgate-instructions.*/reject.*.1
 #
@@ -13,7 +14,8 @@
 # tollgate's own user-space work only; the kernel's (the larger part, see bench/cpu.sh) is
 # not in it, nor cache misses.
 #
-# For each target of bench/load.sh that needs no Redis (proxy, admit, reject): tollgate runs
+# For each target of bench/load.sh that needs no Redis (proxy, admit, reject; TARGETS names
+# others among bench/load/tollgate-NAME.yaml, e.g. admit-fixed, admit-calendar): tollgate runs
 # under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts
 # are zeroed, wrk runs DURATION seconds, the counts are dumped; instructions / requests wrk
 # completed. The upstream is an nginx worker as in bench/load.sh. Needs valgrind, nginx, wrk.
@@ -40,7 +42,7 @@ wait_up "http://127.0.0.1:$UP/"
 
 echo "binary: $BIN"
 printf '%-8s %10s %14s\n' target requests instr/request
-for name in proxy admit reject; do
+for name in ${TARGETS:-proxy admit reject}; do
     p=$(free_port); a=$(free_port)
     render "tollgate-$name.yaml" "$TMP/$name.yaml" PORT="$p" ADMIN_PORT="$a" UPSTREAM_PORT="$UP"
     TOKIO_WORKER_THREADS=1 RUST_LOG=warn valgrind --tool=callgrind \

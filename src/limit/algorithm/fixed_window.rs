@@ -108,6 +108,7 @@ impl FixedWindow {
 
     /// Admits while the current window's count plus `cost` stays within `count`; a rejection
     /// waits for the window's end. See [`Algorithm::check`](super::Algorithm::check).
+    #[inline]
     pub fn check(
         &self,
         state: &WindowState,
@@ -134,6 +135,7 @@ impl FixedWindow {
 
     /// Adds `cost` to the window containing `now`, starting a new count when the window has
     /// moved on.
+    #[inline]
     pub fn commit(&self, state: &mut WindowState, now: Micros, cost: u64) {
         let (ws, _) = self.window(now);
         if state.start != ws {
@@ -156,6 +158,7 @@ impl FixedWindow {
     }
 
     /// The end of the counted window (0 when nothing is counted).
+    #[inline]
     pub fn full_at(&self, state: &WindowState) -> Micros {
         if state.count == 0 {
             return 0;
