@@ -99,13 +99,13 @@ local ALG = {}
 
 -- A script's body runs on every call, so the algorithms are built on first use: defining
 -- all four algorithms' closures on every decision cost Redis more CPU than the decision
--- itself (see script.rs). BUILD[code]() defines ALG[code].
+-- itself (see script.rs). BUILD[code](code) defines ALG[code].
 local BUILD = {}
 setmetatable(ALG, {
   __index = function(t, code)
     local build = BUILD[code]
     if build then
-      build()
+      build(code)
     end
     return rawget(t, code)
   end,
@@ -149,31 +149,43 @@ BUILD[1] = function()
 end
 
 -- fixed_window -----------------------------------------------------------------------------
--- One body for both window functions: `win(l, s, now)` returns the start of the window
--- holding `now` and the time left in it (nil when no window the call knows holds `now`).
+-- One body for 2 (epoch windows) and 5 (calendar windows): BUILD[5] is BUILD[2], which
+-- builds ALG[code] around that code's window function `win(l, s, now)`: the start of the
+-- window holding `now` and the time left in it (for calendar windows, nil when none of the
+-- three the instance sent holds `now`). Defined inside the builder, so a call that uses
+-- neither creates none of their closures, and algorithm 2's arithmetic is the call it was.
 
--- The calendar window holding `now` among the three the instance sent (see the top).
-local function calendar_window(l, _, now)
-  local b = l.bounds
-  for j = 1, 3 do
-    if b[j] <= now and now < b[j + 1] then
-      return b[j], b[j + 1] - now
+BUILD[2] = function(code)
+  code = code or 2
+  local win, window_of
+  if code == 5 then
+    win = function(l, _, now)
+      local b = l.bounds
+      for j = 1, 3 do
+        if b[j] <= now and now < b[j + 1] then
+          return b[j], b[j + 1] - now
+        end
+      end
+      return nil
     end
-  end
-  return nil
-end
-
-local function fixed_window(code, win)
-  -- The window of `now`, or an error naming both clocks: counting in a window Redis's clock
-  -- is not in would give a client a budget of the wrong day.
-  local function window_of(l, s, now)
-    local ws, to_end = win(l, s, now)
-    if ws == nil then
-      error('tollgate: redis time ' .. fmt(now) .. ' is outside the calendar windows sent ('
-        .. fmt(l.bounds[1]) .. ' to ' .. fmt(l.bounds[4])
-        .. '): the instance clock and redis clock differ by more than a window')
+    -- The window of `now`, or an error naming both clocks: counting in a window Redis's
+    -- clock is not in would give a client a budget of the wrong day.
+    window_of = function(l, s, now)
+      local ws, to_end = win(l, s, now)
+      if ws == nil then
+        error('tollgate: redis time ' .. fmt(now) .. ' is outside the calendar windows sent ('
+          .. fmt(l.bounds[1]) .. ' to ' .. fmt(l.bounds[4])
+          .. '): the instance clock and redis clock differ by more than a window')
+      end
+      return ws, to_end
     end
-    return ws, to_end
+  else
+    -- `window` itself, inline: a call level less for every fixed_window decision.
+    win = function(_, s, now)
+      local into = now - fdiv(now, s.period) * s.period
+      return now - into, s.period - into
+    end
+    window_of = win
   end
   local alg
   alg = {
@@ -233,16 +245,7 @@ local function fixed_window(code, win)
   }
   ALG[code] = alg
 end
-
-BUILD[2] = function()
-  fixed_window(2, function(_, s, now)
-    return window(s.period, now)
-  end)
-end
-
-BUILD[5] = function()
-  fixed_window(5, calendar_window)
-end
+BUILD[5] = BUILD[2]
 
 -- sliding_window ---------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ end
 --@ lib.lua
 
 for code = 1, 5 do
-  BUILD[code]()
+  BUILD[code](code)
 end
 
 local function decide(keys, args)
