@@ -122,7 +122,7 @@ const SECOND: Micros = 1_000_000;
 /// `[start, end)` packed as [`Calendar::current`] holds it, if it fits.
 fn pack(start: Micros, end: Micros) -> Option<u64> {
     let (s, len) = (start / SECOND, end.checked_sub(start)? / SECOND);
-    let exact = start % SECOND == 0 && end % SECOND == 0;
+    let exact = start.is_multiple_of(SECOND) && end.is_multiple_of(SECOND);
     (exact && len > 0 && len < 1 << LEN_BITS && s < 1 << (64 - LEN_BITS))
         .then_some(s << LEN_BITS | len)
 }
