@@ -329,7 +329,13 @@ fn shipped_routes_yaml_is_valid_and_local() {
             AlgorithmKind::SlidingWindow,
             AlgorithmKind::SlidingLog,
             AlgorithmKind::FixedWindow,
+            AlgorithmKind::FixedWindow,
         ]
+    );
+    let daily = &cfg.routes[1].limits[1];
+    assert_eq!(
+        daily.calendar.as_ref().map(|c| (c.unit, c.zone_name())),
+        Some((super::super::CalendarUnit::Day, "Europe/Berlin"))
     );
     for route in &cfg.routes {
         assert_eq!(route.upstreams, [uri("http://127.0.0.1:9000")]);
