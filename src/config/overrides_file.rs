@@ -226,7 +226,7 @@ fn plain_lines(text: &str) -> Option<RawTable> {
     let key_char =
         |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'/' | b'+' | b'=' | b'-');
     let name_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-');
-    let mut t = RawTable::new(text.len() / 24);
+    let mut t = RawTable::new(text.len() / 24, text.len());
     let mut name_codes: HashMap<String, u16> = HashMap::new();
     for (n, line) in text.trim_start_matches('\u{feff}').split('\n').enumerate() {
         let line = line.strip_suffix('\r').unwrap_or(line);
@@ -306,6 +306,8 @@ struct RawTable {
     arena: Vec<u8>,
     index: hashbrown::HashTable<Slot>,
     hasher: foldhash::fast::RandomState,
+    /// The key being added, in stored form (reused: no allocation per entry).
+    stored: crate::keytext::KeyBuf,
     /// Each distinct value, where it was first used.
     names: Vec<(String, Pos)>,
     /// The first entry refused, where and why. Kept rather than returned as a serde error, which
@@ -315,9 +317,11 @@ struct RawTable {
 
 impl RawTable {
     /// Adds one entry; `Err` says why it cannot be.
-    fn new(capacity: usize) -> Self {
+    /// Room for about `capacity` entries of `bytes` key bytes in all.
+    fn new(capacity: usize, bytes: usize) -> Self {
         Self {
-            arena: Vec::new(),
+            arena: Vec::with_capacity(bytes),
+            stored: crate::keytext::KeyBuf::new(),
             index: hashbrown::HashTable::with_capacity(capacity),
             hasher: foldhash::fast::RandomState::default(),
             names: Vec::new(),
@@ -351,7 +355,20 @@ impl RawTable {
                 "more than {MAX_ENTRIES} entries: keep a file under that"
             ));
         }
-        let stored = crate::keytext::from_admin(key);
+        let mut stored = std::mem::take(&mut self.stored);
+        crate::keytext::from_admin_into(key, &mut stored);
+        let added = self.insert_stored(key, &stored, (value, value_at), name_codes);
+        self.stored = stored;
+        added
+    }
+
+    fn insert_stored(
+        &mut self,
+        key: &str,
+        stored: &[u8],
+        (value, value_at): (&str, Pos),
+        name_codes: &mut HashMap<String, u16>,
+    ) -> Result<(), String> {
         let (Ok(len), Ok(start)) = (u16::try_from(stored.len()), u32::try_from(self.arena.len()))
         else {
             return Err(
@@ -384,10 +401,10 @@ impl RawTable {
         {
             return Err(format!(
                 "`{key}` is listed twice (as the gateway stores keys, `{}`): keep one entry",
-                String::from_utf8_lossy(&stored)
+                String::from_utf8_lossy(stored)
             ));
         }
-        self.arena.extend_from_slice(&stored);
+        self.arena.extend_from_slice(stored);
         let (hasher, arena) = (&self.hasher, &self.arena);
         self.index
             .insert_unique(hash, Slot { start, len, code }, |s| {
@@ -414,7 +431,7 @@ impl<'de> Visitor<'de> for TableVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTable, A::Error> {
-        let mut t = RawTable::new(map.size_hint().unwrap_or(0));
+        let mut t = RawTable::new(map.size_hint().unwrap_or(0), 0);
         let mut name_codes: HashMap<String, u16> = HashMap::new();
         while let Some(key) = map.next_key::<Spanned<String>>()? {
             let value: Spanned<String> = map.next_value()?;
