@@ -14,9 +14,10 @@
 # tollgate's own user-space work only; the kernel's (the larger part, see bench/cpu.sh) is
 # not in it, nor cache misses.
 #
-# `admit-overrides` is `admit` behind five inline overrides and a 1,000,000-entry overrides
-# file that names the client's key (the cost of consumers' plans on the request path), and
-# `admit-shared` is `admit` drawing on a top-level shared limit; neither is run by default.
+# Not run by default: `admit-key` is `admit` keyed by an API key header (wrk sends one) behind
+# a trusted proxy; `admit-overrides` is `admit-key` with five inline overrides and a
+# 1,000,000-entry overrides file that names the key (the cost of consumers' plans on the
+# request path); `admit-shared` is `admit` drawing on a top-level shared limit.
 #
 # For each target of bench/load.sh that needs no Redis (proxy, admit, reject): tollgate runs
 # under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts
@@ -67,9 +68,11 @@ for name in ${TARGETS:-proxy admit reject}; do
     PIDS+=("$vg")
     # Loading a million-entry file under valgrind takes a while.
     wait_up "http://127.0.0.1:$a/healthz" 300
-    wrk -t1 -c8 -d2s "http://127.0.0.1:$p/" >/dev/null
+    hdr=()
+    [[ "$name" == admit-key || "$name" == admit-overrides ]] && hdr=(-H "x-api-key: 127.0.0.1")
+    wrk -t1 -c8 -d2s "${hdr[@]}" "http://127.0.0.1:$p/" >/dev/null
     callgrind_control -z "$vg" >/dev/null 2>&1
-    out=$(wrk -t1 -c8 -d"${DURATION}s" "http://127.0.0.1:$p/")
+    out=$(wrk -t1 -c8 -d"${DURATION}s" "${hdr[@]}" "http://127.0.0.1:$p/")
     callgrind_control -d "$vg" >/dev/null 2>&1
     kill "$vg"; wait "$vg" 2>/dev/null || true
     reqs=$(awk '/requests in/ {print $1}' <<<"$out")
