@@ -231,6 +231,7 @@ pub(super) fn limit(
         rate,
         cost,
         consistency,
+        key_parts: key.len(),
     };
     let overrides = match raw.overrides {
         Some(list) => super::consumers::overrides(list, &shape, consumers, warnings)?,
@@ -239,7 +240,7 @@ pub(super) fn limit(
     let overrides_file = raw
         .overrides_file
         .as_ref()
-        .map(|t| super::consumers::overrides_file(t, &shape, consumers))
+        .map(|t| super::consumers::overrides_file(t, &shape, consumers, warnings))
         .transpose()?;
 
     Ok(LimitConfig {

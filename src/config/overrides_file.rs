@@ -96,6 +96,15 @@ impl OverridesTable {
         self.arena.capacity() + self.index.capacity() * (std::mem::size_of::<Slot>() + 1)
     }
 
+    /// How many entries' keys have a number of `|`-separated parts other than `parts`: they can
+    /// never match a key of that many parts.
+    pub fn misshapen(&self, parts: usize) -> usize {
+        self.index
+            .iter()
+            .filter(|s| self.key_of(**s).iter().filter(|&&b| b == b'|').count() + 1 != parts)
+            .count()
+    }
+
     /// How many entries give each plan (indexed like the config's `plans`), and how many exempt.
     pub fn counts(&self, plans: usize) -> (Vec<usize>, usize) {
         let mut per_plan = vec![0; plans];
@@ -121,11 +130,17 @@ impl OverridesTable {
 
 /// Reads the overrides file at `path`; its plans are looked up in `plans`. A refusal carries
 /// the file's own path, line and column.
-pub(super) fn load(path: &Path, plans: &[Plan]) -> Result<OverridesTable, Invalid> {
-    let top = Pos { line: 1, column: 1 };
-    let bytes = std::fs::read(path).map_err(|e| {
-        Invalid::new(top, format!("cannot read the overrides file: {e}")).in_other_file(path)
-    })?;
+/// `Ok(Err(_))`: the file could not be read at all (no line of it to point at: the caller
+/// points at the config's `overrides_file:`).
+pub(super) fn load(
+    path: &Path,
+    plans: &[Plan],
+) -> Result<Result<OverridesTable, Invalid>, std::io::Error> {
+    let bytes = std::fs::read(path)?;
+    Ok(read(path, bytes, plans))
+}
+
+fn read(path: &Path, bytes: Vec<u8>, plans: &[Plan]) -> Result<OverridesTable, Invalid> {
     let fingerprint = foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).hash_one(&bytes);
     let text = super::utf8(bytes).map_err(|e| e.in_other_file(path))?;
     parse(&text, plans, fingerprint).map_err(|e| e.in_other_file(path))

@@ -274,21 +274,26 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
         );
     }
     if let Some(f) = &l.overrides_file {
-        let names: Vec<String> = f
+        let (per_plan, exempt) = f.table.counts(f.plans.len());
+        let mut given: Vec<String> = f
             .plans
             .iter()
-            .flatten()
-            .map(|p| override_rate(p, l))
+            .zip(per_plan)
+            .filter_map(|(p, n)| Some(format!("{n} {}", override_rate(p.as_ref()?, l))))
             .collect();
+        if exempt > 0 {
+            given.push(format!("{exempt} exempt"));
+        }
+        let n = f.table.len();
         let _ = writeln!(
             out,
-            "    overrides file {}: {} keys{}; consulted after the overrides, reloaded when it changes",
+            "    overrides file {}: {n} key{}{}; consulted after the overrides, reloaded when it changes",
             f.path.display(),
-            f.table.len(),
-            if names.is_empty() {
+            if n == 1 { "" } else { "s" },
+            if given.is_empty() {
                 String::new()
             } else {
-                format!("; plans {}", names.join(", "))
+                format!(" ({})", given.join(", "))
             },
         );
     }
