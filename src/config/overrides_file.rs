@@ -403,7 +403,7 @@ impl RawTable {
                 c
             }
         };
-        let hash = self.hasher.hash_one(&stored[..]);
+        let hash = self.hasher.hash_one(stored);
         let arena = &self.arena;
         let key_of = |s: &Slot| {
             let b = s.start as usize;
@@ -411,7 +411,7 @@ impl RawTable {
         };
         if self
             .index
-            .find(hash, |s| key_of(s) == &stored[..])
+            .find(hash, |s| key_of(s) == stored)
             .is_some()
         {
             return Err(format!(

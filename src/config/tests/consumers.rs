@@ -1,7 +1,7 @@
 //! Plans, overrides, overrides files and shared limits: what loads, and every refusal at its
 //! line and column.
 
-use super::{assert_err, lines, ok, parse, with_limit};
+use super::{assert_err, lines, ok, with_limit};
 use crate::config::OverrideRate;
 
 /// A config with two plans, then `rest` (routes and so on).
