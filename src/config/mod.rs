@@ -10,6 +10,7 @@ mod limit;
 mod rate;
 mod raw;
 pub mod redis;
+mod redis_section;
 mod rejection;
 mod summary;
 mod types;
@@ -25,7 +26,7 @@ pub use self::summary::summary;
 pub use self::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,
     OnMissing, PathMatch, Piece, Rate, RedisConfig, RedisTarget, RejectionConfig, RouteConfig,
-    RouteMatch, Scope, ServerConfig, Template, TemplateError, UpstreamCa,
+    RouteMatch, Scope, SentinelTarget, ServerConfig, Template, TemplateError, UpstreamCa,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 

@@ -2,6 +2,7 @@
 
 mod errors;
 mod limits;
+mod sentinel;
 mod tls;
 mod valid;
 
