@@ -19,6 +19,7 @@ mod packaging;
 mod redis_cluster;
 mod redis_store;
 mod reload;
+mod sentinel;
 mod signals;
 mod tls;
 mod upstream_pool;

@@ -919,6 +919,10 @@ async fn follow_switches(
         .await;
         if moved {
             tracing::info!(master = %to, "every redis connection is on the new master");
+            // Close the breaker now rather than at the next probe: decisions return at once.
+            if let Some(inner) = inner.upgrade() {
+                let _ = inner.ping().await;
+            }
         } else if !announced.has_changed().unwrap_or(true) {
             tracing::warn!(
                 master = %to,

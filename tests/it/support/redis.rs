@@ -1,5 +1,6 @@
-//! Real `redis-server` processes for integration tests: a single server and a 3-primary
-//! cluster, each on free loopback ports, killed on drop.
+//! Real `redis-server` processes for integration tests: a single server, a 3-primary cluster,
+//! and a master with a replica behind Redis Sentinel, each on free loopback ports, killed on
+//! drop.
 //!
 //! Only `std`: every test binary can `#[path]`-include this file without extra dev-deps.
 //! A server kept in a `static` (shared by the tests of one binary) is never dropped, so each
@@ -252,6 +253,235 @@ impl Drop for RedisCluster {
             let _ = node.child.wait();
             let _ = std::fs::remove_dir_all(&node.dir);
         }
+    }
+}
+
+/// A master, one replica of it and `n` sentinels watching them (quorum 1), each on a free port,
+/// killed on drop. Failure is declared after [`RedisSentinel::DOWN_AFTER`] without an answer, so
+/// a killed master is replaced within about two seconds.
+#[derive(Debug)]
+pub struct RedisSentinel {
+    name: String,
+    /// The data servers by port: the first master and its replica, whatever their roles now.
+    servers: Vec<RedisServer>,
+    sentinels: Vec<SentinelProcess>,
+}
+
+#[derive(Debug)]
+struct SentinelProcess {
+    port: u16,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl RedisSentinel {
+    /// `down-after-milliseconds`: how long a master may stay silent before it is declared down.
+    pub const DOWN_AFTER: Duration = Duration::from_millis(800);
+
+    /// A master named `name`, its replica and one sentinel, ready: the sentinel knows the
+    /// replica and the replica is in sync, so a failover can start at once.
+    pub fn start(name: &str) -> Self {
+        Self::start_with_sentinels(name, 1)
+    }
+
+    /// As [`RedisSentinel::start`] with `n` sentinels, which also know each other.
+    pub fn start_with_sentinels(name: &str, n: usize) -> Self {
+        let master = RedisServer::start();
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+        let (master_port, replica_port) = (master.port(), replica.port());
+        let setup = Self {
+            name: name.to_string(),
+            servers: vec![master, replica],
+            sentinels: (0..n).map(|_| start_sentinel(name, master_port)).collect(),
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let in_sync = cli(replica_port, false, &["INFO", "replication"])
+                .contains("master_link_status:up");
+            let known = setup.sentinels.iter().all(|s| {
+                let replicas = cli(s.port, false, &["SENTINEL", "REPLICAS", name]);
+                let peers = cli(s.port, false, &["SENTINEL", "SENTINELS", name]);
+                replicas.contains(&replica_port.to_string())
+                    && !replicas.contains("disconnected")
+                    && !replicas.contains("s_down")
+                    && peers.matches("127.0.0.1").count() == n - 1
+            });
+            if in_sync && known {
+                return setup;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sentinel setup not ready: replica in sync {in_sync}, sentinels know all {known}"
+            );
+            sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The name the sentinels monitor the master under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `redis://` URLs of the sentinels.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The `redis` section's target, as YAML: `sentinel: {master: .., nodes: [..]}`.
+    pub fn yaml(&self) -> String {
+        format!(
+            "sentinel: {{ master: {}, nodes: [{}] }}",
+            self.name,
+            self.sentinel_urls().join(", ")
+        )
+    }
+
+    /// The master's port as the first sentinel reports it now.
+    pub fn master_port(&self) -> u16 {
+        let answer = cli(
+            self.sentinels[0].port,
+            false,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name],
+        );
+        answer
+            .lines()
+            .nth(1)
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("sentinel does not name the master: {answer:?}"))
+    }
+
+    /// The master's port as each sentinel reports it now (`None`: no answer).
+    pub fn named_masters(&self) -> Vec<Option<u16>> {
+        self.sentinels
+            .iter()
+            .map(|s| {
+                cli(
+                    s.port,
+                    false,
+                    &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name],
+                )
+                .lines()
+                .nth(1)
+                .and_then(|p| p.trim().parse().ok())
+            })
+            .collect()
+    }
+
+    /// The data server on `port` (the first master or its replica).
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .find(|s| s.port() == port)
+            .unwrap_or_else(|| panic!("no server on port {port}"))
+    }
+
+    /// The port of the other data server: the replica while no failover happened.
+    pub fn replica_port(&self) -> u16 {
+        let master = self.master_port();
+        self.servers
+            .iter()
+            .map(RedisServer::port)
+            .find(|p| *p != master)
+            .expect("two data servers")
+    }
+
+    /// Kills the current master abruptly (SIGKILL); returns its port.
+    pub fn kill_master(&mut self) -> u16 {
+        let port = self.master_port();
+        self.servers
+            .iter_mut()
+            .find(|s| s.port() == port)
+            .unwrap_or_else(|| panic!("no server on port {port}"))
+            .stop();
+        port
+    }
+
+    /// `SENTINEL FAILOVER`: the replica is promoted while the master is alive.
+    pub fn failover(&self) {
+        let answer = cli(
+            self.sentinels[0].port,
+            false,
+            &["SENTINEL", "FAILOVER", &self.name],
+        );
+        assert_eq!(answer, "OK", "SENTINEL FAILOVER");
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        for s in &mut self.sentinels {
+            let _ = s.child.kill();
+            let _ = s.child.wait();
+            let _ = std::fs::remove_dir_all(&s.dir);
+        }
+    }
+}
+
+fn start_sentinel(name: &str, master_port: u16) -> SentinelProcess {
+    let mut last_error = String::new();
+    for _ in 0..5 {
+        let port = free_port();
+        let dir = temp_dir("sentinel", port);
+        match spawn_sentinel(port, &dir, name, master_port) {
+            Ok(child) => return SentinelProcess { port, dir, child },
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                last_error = e;
+            }
+        }
+    }
+    panic!("could not start a sentinel: {last_error}");
+}
+
+/// `redis-server sentinel.conf --sentinel`: Sentinel reads its monitors from a file it may
+/// rewrite, so each sentinel gets one of its own.
+fn spawn_sentinel(port: u16, dir: &Path, name: &str, master_port: u16) -> Result<Child, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let log = dir.join("sentinel.log");
+    let conf = dir.join("sentinel.conf");
+    let down_after = RedisSentinel::DOWN_AFTER.as_millis();
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n\
+             sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
+             sentinel down-after-milliseconds {name} {down_after}\n\
+             sentinel failover-timeout {name} 4000\n",
+            dir = dir.display(),
+            log = log.display(),
+        ),
+    )
+    .map_err(|e| format!("writing {}: {e}", conf.display()))?;
+    let mut child = Command::new(redis_binary("redis-server"))
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawning redis-server --sentinel: {e}"))?;
+    watchdog(child.id(), dir);
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if ping(port) {
+            return Ok(child);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(format!(
+                "sentinel exited with {status} on port {port}: {log}"
+            ));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("sentinel on port {port} did not answer PING"));
+        }
+        sleep(Duration::from_millis(10));
     }
 }
 
