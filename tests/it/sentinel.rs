@@ -18,9 +18,12 @@ use crate::support::{Gateway, client, metric};
 const FAILOVER_WITHIN: Duration = Duration::from_secs(15);
 
 fn cfg(setup: &RedisSentinel, on_error: &str, timeout: &str, routes: &str) -> String {
+    cfg_target(&setup.yaml(), on_error, timeout, routes)
+}
+
+fn cfg_target(target: &str, on_error: &str, timeout: &str, routes: &str) -> String {
     format!(
-        "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\n  admin_token: s3cret\nredis:\n  {}\n  timeout: {timeout}\n  on_error: {on_error}\n  pool_size: 2\nroutes:\n{routes}",
-        setup.yaml()
+        "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\n  admin_token: s3cret\nredis:\n  {target}\n  timeout: {timeout}\n  on_error: {on_error}\n  pool_size: 2\nroutes:\n{routes}"
     )
 }
 
@@ -418,4 +421,33 @@ async fn a_manual_failover_moves_decisions_to_the_new_master_at_once() {
         statuses(&g, "/exact", "fresh", 8).await,
         [200, 200, 200, 200, 200, 429, 429, 429]
     );
+}
+
+/// Sentinels and servers that require a password each: the node URLs carry the sentinels',
+/// `password` the master's, and the two are never mixed up (the sentinels' password alone does
+/// not open the master: the gateway then fails closed, as for any Redis it cannot use).
+#[tokio::test]
+async fn sentinels_and_the_master_authenticate_with_their_own_passwords() {
+    let setup = RedisSentinel::start_with_auth("auth", "masterpw", "sentpw");
+    let up = Upstream::start().await;
+    let node = setup.sentinel_urls()[0].replace("redis://", "redis://:sentpw@");
+    let both = format!("sentinel: {{ master: auth, nodes: ['{node}'], password: masterpw }}");
+    let g = Gateway::start(&cfg_target(&both, "deny", "2s", &failover_routes(&up))).await;
+    assert_eq!(
+        statuses(&g, "/exact", "ann", 8).await,
+        [200, 200, 200, 200, 200, 429, 429, 429]
+    );
+    assert!(script_calls(setup.server(setup.master_port())).0 >= 6);
+    assert_eq!(ready(&g).await, 200);
+
+    let sentinels_only = format!("sentinel: {{ master: auth, nodes: ['{node}'] }}");
+    let g = Gateway::start(&cfg_target(
+        &sentinels_only,
+        "deny",
+        "200ms",
+        &failover_routes(&up),
+    ))
+    .await;
+    assert_eq!(statuses(&g, "/exact", "bob", 2).await, [503, 503]);
+    assert_eq!(ready(&g).await, 503);
 }

@@ -41,6 +41,8 @@ pub struct RedisServer {
     dir: PathBuf,
     child: Option<Child>,
     extra: Vec<String>,
+    /// `--requirepass`, which [`RedisServer::cli`] authenticates with.
+    password: Option<String>,
 }
 
 impl RedisServer {
@@ -52,6 +54,10 @@ impl RedisServer {
     /// Like [`RedisServer::start`] with extra `--name value` arguments for `redis-server`.
     pub fn start_with(extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let password = extra
+            .windows(2)
+            .find(|w| w[0] == "--requirepass")
+            .map(|w| w[1].clone());
         // A port picked free can be taken by another test binary before redis binds it:
         // try a few ports rather than failing the test.
         let mut last_error = String::new();
@@ -65,6 +71,7 @@ impl RedisServer {
                         dir,
                         child: Some(child),
                         extra,
+                        password,
                     };
                 }
                 Err(e) => {
@@ -137,7 +144,7 @@ impl RedisServer {
 
     /// Runs `redis-cli` against this server and returns its stdout, trimmed.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, false, args)
+        cli_as(self.port, self.password.as_deref(), args)
     }
 }
 
@@ -262,6 +269,8 @@ impl Drop for RedisCluster {
 #[derive(Debug)]
 pub struct RedisSentinel {
     name: String,
+    /// The sentinels' `requirepass`.
+    sentinel_password: Option<String>,
     /// The data servers by port: the first master and its replica, whatever their roles now.
     servers: Vec<RedisServer>,
     sentinels: Vec<SentinelProcess>,
@@ -286,22 +295,49 @@ impl RedisSentinel {
 
     /// As [`RedisSentinel::start`] with `n` sentinels, which also know each other.
     pub fn start_with_sentinels(name: &str, n: usize) -> Self {
-        let master = RedisServer::start();
-        let replica =
-            RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+        Self::start_with(name, n, None, None)
+    }
+
+    /// As [`RedisSentinel::start`], with `requirepass` on the master and replica
+    /// (`master_password`) and on the sentinel (`sentinel_password`); the sentinel
+    /// authenticates to the servers with theirs (`sentinel auth-pass`).
+    pub fn start_with_auth(name: &str, master_password: &str, sentinel_password: &str) -> Self {
+        Self::start_with(name, 1, Some(master_password), Some(sentinel_password))
+    }
+
+    fn start_with(
+        name: &str,
+        n: usize,
+        master_password: Option<&str>,
+        sentinel_password: Option<&str>,
+    ) -> Self {
+        // `masterauth` too: a demoted master syncs from the new one with it.
+        let auth: Vec<&str> = master_password
+            .map(|pw| vec!["--requirepass", pw, "--masterauth", pw])
+            .unwrap_or_default();
+        let master = RedisServer::start_with(&auth);
+        let master_port = master.port().to_string();
+        let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
+        replica_args.extend(&auth);
+        let replica = RedisServer::start_with(&replica_args);
         let (master_port, replica_port) = (master.port(), replica.port());
         let setup = Self {
             name: name.to_string(),
+            sentinel_password: sentinel_password.map(str::to_owned),
+            sentinels: (0..n)
+                .map(|_| start_sentinel(name, master_port, master_password, sentinel_password))
+                .collect(),
             servers: vec![master, replica],
-            sentinels: (0..n).map(|_| start_sentinel(name, master_port)).collect(),
         };
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            let in_sync = cli(replica_port, false, &["INFO", "replication"])
+            let in_sync = setup
+                .server(replica_port)
+                .cli(&["INFO", "replication"])
                 .contains("master_link_status:up");
             let known = setup.sentinels.iter().all(|s| {
-                let replicas = cli(s.port, false, &["SENTINEL", "REPLICAS", name]);
-                let peers = cli(s.port, false, &["SENTINEL", "SENTINELS", name]);
+                let replicas = setup.sentinel_cli(s.port, &["SENTINEL", "REPLICAS", name]);
+                let peers = setup.sentinel_cli(s.port, &["SENTINEL", "SENTINELS", name]);
                 replicas.contains(&replica_port.to_string())
                     && !replicas.contains("disconnected")
                     && !replicas.contains("s_down")
@@ -316,6 +352,10 @@ impl RedisSentinel {
             );
             sleep(Duration::from_millis(20));
         }
+    }
+
+    fn sentinel_cli(&self, port: u16, args: &[&str]) -> String {
+        cli_as(port, self.sentinel_password.as_deref(), args)
     }
 
     /// The name the sentinels monitor the master under.
@@ -342,9 +382,8 @@ impl RedisSentinel {
 
     /// The master's port as the first sentinel reports it now.
     pub fn master_port(&self) -> u16 {
-        let answer = cli(
+        let answer = self.sentinel_cli(
             self.sentinels[0].port,
-            false,
             &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name],
         );
         answer
@@ -359,14 +398,10 @@ impl RedisSentinel {
         self.sentinels
             .iter()
             .map(|s| {
-                cli(
-                    s.port,
-                    false,
-                    &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name],
-                )
-                .lines()
-                .nth(1)
-                .and_then(|p| p.trim().parse().ok())
+                self.sentinel_cli(s.port, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name])
+                    .lines()
+                    .nth(1)
+                    .and_then(|p| p.trim().parse().ok())
             })
             .collect()
     }
@@ -402,9 +437,8 @@ impl RedisSentinel {
 
     /// `SENTINEL FAILOVER`: the replica is promoted while the master is alive.
     pub fn failover(&self) {
-        let answer = cli(
+        let answer = self.sentinel_cli(
             self.sentinels[0].port,
-            false,
             &["SENTINEL", "FAILOVER", &self.name],
         );
         assert_eq!(answer, "OK", "SENTINEL FAILOVER");
@@ -421,12 +455,24 @@ impl Drop for RedisSentinel {
     }
 }
 
-fn start_sentinel(name: &str, master_port: u16) -> SentinelProcess {
+fn start_sentinel(
+    name: &str,
+    master_port: u16,
+    master_password: Option<&str>,
+    sentinel_password: Option<&str>,
+) -> SentinelProcess {
     let mut last_error = String::new();
     for _ in 0..5 {
         let port = free_port();
         let dir = temp_dir("sentinel", port);
-        match spawn_sentinel(port, &dir, name, master_port) {
+        let mut auth = String::new();
+        if let Some(pw) = master_password {
+            auth += &format!("sentinel auth-pass {name} {pw}\n");
+        }
+        if let Some(pw) = sentinel_password {
+            auth += &format!("requirepass {pw}\n");
+        }
+        match spawn_sentinel(port, &dir, name, master_port, &auth) {
             Ok(child) => return SentinelProcess { port, dir, child },
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
@@ -439,7 +485,13 @@ fn start_sentinel(name: &str, master_port: u16) -> SentinelProcess {
 
 /// `redis-server sentinel.conf --sentinel`: Sentinel reads its monitors from a file it may
 /// rewrite, so each sentinel gets one of its own.
-fn spawn_sentinel(port: u16, dir: &Path, name: &str, master_port: u16) -> Result<Child, String> {
+fn spawn_sentinel(
+    port: u16,
+    dir: &Path,
+    name: &str,
+    master_port: u16,
+    auth: &str,
+) -> Result<Child, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let log = dir.join("sentinel.log");
     let conf = dir.join("sentinel.conf");
@@ -450,7 +502,7 @@ fn spawn_sentinel(port: u16, dir: &Path, name: &str, master_port: u16) -> Result
             "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n\
              sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
              sentinel down-after-milliseconds {name} {down_after}\n\
-             sentinel failover-timeout {name} 4000\n",
+             sentinel failover-timeout {name} 4000\n{auth}",
             dir = dir.display(),
             log = log.display(),
         ),
@@ -621,7 +673,7 @@ fn watchdog(pid: u32, dir: &Path) {
         .spawn();
 }
 
-/// One RESP PING over a fresh connection.
+/// One RESP PING over a fresh connection; a server that asks for a password first is up too.
 fn ping(port: u16) -> bool {
     let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else {
         return false;
@@ -631,7 +683,7 @@ fn ping(port: u16) -> bool {
         return false;
     }
     let mut buf = [0u8; 7];
-    matches!(stream.read_exact(&mut buf), Ok(()) if &buf == b"+PONG\r\n")
+    matches!(stream.read_exact(&mut buf), Ok(()) if &buf == b"+PONG\r\n" || &buf == b"-NOAUTH")
 }
 
 fn run_cli(port: u16, follow: bool, args: &[&str]) -> std::process::Output {
@@ -648,6 +700,21 @@ fn run_cli(port: u16, follow: bool, args: &[&str]) -> std::process::Output {
 
 fn cli(port: u16, follow: bool, args: &[&str]) -> String {
     let out = run_cli(port, follow, args);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// `redis-cli` against one server, authenticated with `password` when there is one.
+fn cli_as(port: u16, password: Option<&str>, args: &[&str]) -> String {
+    let Some(password) = password else {
+        return cli(port, false, args);
+    };
+    let out = Command::new(redis_binary("redis-cli"))
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .env("REDISCLI_AUTH", password)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running redis-cli: {e}"));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
