@@ -3,6 +3,7 @@
 //! a Lua script decides exactly.
 
 use fred::prelude::{Config, Server, ServerConfig};
+use fred::types::config::TlsConnector;
 
 use super::SentinelTarget;
 
@@ -109,7 +110,9 @@ pub fn sentinel_nodes_differ(first: &SentinelNode, other: &SentinelNode) -> Opti
 
 /// The client configuration for a master named by `target`'s sentinels: the sentinels are
 /// reached with the nodes' credentials, the master (whichever server it is) with `target`'s
-/// `username` and `password`.
+/// `username` and `password`. With `rediss://` nodes the client speaks TLS to the sentinels and
+/// to the master alike (fred has one TLS setting for both), verified against the system's
+/// roots as for a `rediss://` URL.
 pub fn sentinel_config(target: &SentinelTarget) -> Result<Config, String> {
     let nodes = target
         .nodes
@@ -122,6 +125,13 @@ pub fn sentinel_config(target: &SentinelTarget) -> Result<Config, String> {
     if let Some(why) = nodes.iter().find_map(|n| sentinel_nodes_differ(first, n)) {
         return Err(why.to_string());
     }
+    let tls = if first.tls {
+        let connector = TlsConnector::default_rustls()
+            .map_err(|e| format!("TLS to the sentinels: {}", e.details()))?;
+        Some(connector.into())
+    } else {
+        None
+    };
     Ok(Config {
         server: ServerConfig::Sentinel {
             hosts: nodes
@@ -134,6 +144,7 @@ pub fn sentinel_config(target: &SentinelTarget) -> Result<Config, String> {
         },
         username: target.username.clone(),
         password: target.password.clone(),
+        tls,
         ..Config::default()
     })
 }

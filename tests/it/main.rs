@@ -18,6 +18,7 @@ mod lua_mirror;
 mod packaging;
 mod redis_cluster;
 mod redis_store;
+mod redis_tls;
 mod reload;
 mod sentinel;
 mod signals;

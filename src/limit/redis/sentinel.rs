@@ -97,6 +97,7 @@ pub(super) fn watchers(
                 },
                 username: username.clone(),
                 password: password.clone(),
+                tls: config.tls.clone(),
                 // Reconnect per policy while a sentinel is down, instead of failing for good.
                 fail_fast: false,
                 ..Config::default()

@@ -43,6 +43,40 @@ pub struct RedisServer {
     extra: Vec<String>,
     /// `--requirepass`, which [`RedisServer::cli`] authenticates with.
     password: Option<String>,
+    /// `--tls-port`, beside the plain port the tests' `redis-cli` uses.
+    tls_port: Option<u16>,
+}
+
+/// PEM files for a Redis speaking TLS: its certificate chain and key, and the CA that signed
+/// them (which also verifies the TLS connections a replica or a sentinel makes).
+#[derive(Clone, Debug)]
+pub struct RedisTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl RedisTls {
+    /// `redis-server` arguments for a TLS port (clients need no certificate); replication
+    /// goes over TLS too.
+    fn args(&self, tls_port: u16) -> Vec<String> {
+        [
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            &self.cert.display().to_string(),
+            "--tls-key-file",
+            &self.key.display().to_string(),
+            "--tls-ca-cert-file",
+            &self.ca.display().to_string(),
+            "--tls-auth-clients",
+            "no",
+            "--tls-replication",
+            "yes",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
 }
 
 impl RedisServer {
@@ -54,10 +88,14 @@ impl RedisServer {
     /// Like [`RedisServer::start`] with extra `--name value` arguments for `redis-server`.
     pub fn start_with(extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let password = extra
-            .windows(2)
-            .find(|w| w[0] == "--requirepass")
-            .map(|w| w[1].clone());
+        let value_of = |flag: &str| {
+            extra
+                .windows(2)
+                .find(|w| w[0] == flag)
+                .map(|w| w[1].clone())
+        };
+        let password = value_of("--requirepass");
+        let tls_port = value_of("--tls-port").and_then(|p| p.parse().ok());
         // A port picked free can be taken by another test binary before redis binds it:
         // try a few ports rather than failing the test.
         let mut last_error = String::new();
@@ -72,6 +110,7 @@ impl RedisServer {
                         child: Some(child),
                         extra,
                         password,
+                        tls_port,
                     };
                 }
                 Err(e) => {
@@ -85,6 +124,24 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Like [`RedisServer::start_with`], also listening with TLS on a port of its own.
+    pub fn start_tls(tls: &RedisTls, extra: &[&str]) -> Self {
+        let mut args = tls.args(free_port());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::start_with(&args)
+    }
+
+    /// The TLS port, when the server has one.
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// The port replicas and sentinels know the server by: its TLS port when it has one.
+    pub fn announced_port(&self) -> u16 {
+        self.tls_port.unwrap_or(self.port)
     }
 
     pub fn url(&self) -> String {
@@ -279,6 +336,8 @@ pub struct RedisSentinel {
 #[derive(Debug)]
 struct SentinelProcess {
     port: u16,
+    /// Where clients reach it over TLS (the plain `port` stays, for the tests' `redis-cli`).
+    tls_port: Option<u16>,
     dir: PathBuf,
     child: Child,
 }
@@ -295,14 +354,26 @@ impl RedisSentinel {
 
     /// As [`RedisSentinel::start`] with `n` sentinels, which also know each other.
     pub fn start_with_sentinels(name: &str, n: usize) -> Self {
-        Self::start_with(name, n, None, None)
+        Self::start_with(name, n, None, None, None)
+    }
+
+    /// As [`RedisSentinel::start`], every process also speaking TLS (the data servers replicate
+    /// over it, the sentinel watches them over it and announces their TLS ports).
+    pub fn start_tls(name: &str, tls: &RedisTls) -> Self {
+        Self::start_with(name, 1, None, None, Some(tls))
     }
 
     /// As [`RedisSentinel::start`], with `requirepass` on the master and replica
     /// (`master_password`) and on the sentinel (`sentinel_password`); the sentinel
     /// authenticates to the servers with theirs (`sentinel auth-pass`).
     pub fn start_with_auth(name: &str, master_password: &str, sentinel_password: &str) -> Self {
-        Self::start_with(name, 1, Some(master_password), Some(sentinel_password))
+        Self::start_with(
+            name,
+            1,
+            Some(master_password),
+            Some(sentinel_password),
+            None,
+        )
     }
 
     fn start_with(
@@ -310,23 +381,46 @@ impl RedisSentinel {
         n: usize,
         master_password: Option<&str>,
         sentinel_password: Option<&str>,
+        tls: Option<&RedisTls>,
     ) -> Self {
         // `masterauth` too: a demoted master syncs from the new one with it.
         let auth: Vec<&str> = master_password
             .map(|pw| vec!["--requirepass", pw, "--masterauth", pw])
             .unwrap_or_default();
-        let master = RedisServer::start_with(&auth);
-        let master_port = master.port().to_string();
+        let start = |extra: &[&str]| match tls {
+            Some(tls) => RedisServer::start_tls(tls, extra),
+            None => RedisServer::start_with(extra),
+        };
+        let master = start(&auth);
+        let master_port = master.announced_port().to_string();
         let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
         replica_args.extend(&auth);
-        let replica = RedisServer::start_with(&replica_args);
-        let (master_port, replica_port) = (master.port(), replica.port());
+        let replica = start(&replica_args);
+        let (master_port, replica_port) = (master.announced_port(), replica.announced_port());
+        let mut conf = String::new();
+        if let Some(pw) = master_password {
+            conf += &format!("sentinel auth-pass {name} {pw}\n");
+        }
+        if let Some(pw) = sentinel_password {
+            conf += &format!("requirepass {pw}\n");
+        }
+        let sentinels = (0..n)
+            .map(|_| {
+                let tls = tls.map(|tls| (free_port(), tls));
+                let mut conf = conf.clone();
+                if let Some((tls_port, tls)) = tls {
+                    // The same settings as the servers' arguments, as config lines.
+                    for pair in tls.args(tls_port).chunks(2) {
+                        conf += &format!("{} {}\n", pair[0].trim_start_matches("--"), pair[1]);
+                    }
+                }
+                start_sentinel(name, master_port, &conf, tls.map(|(p, _)| p))
+            })
+            .collect();
         let setup = Self {
             name: name.to_string(),
             sentinel_password: sentinel_password.map(str::to_owned),
-            sentinels: (0..n)
-                .map(|_| start_sentinel(name, master_port, master_password, sentinel_password))
-                .collect(),
+            sentinels,
             servers: vec![master, replica],
         };
         let deadline = Instant::now() + START_TIMEOUT;
@@ -336,6 +430,7 @@ impl RedisSentinel {
                 .cli(&["INFO", "replication"])
                 .contains("master_link_status:up");
             let known = setup.sentinels.iter().all(|s| {
+                // Sentinel knows the replica by the port it announces (its TLS one, with TLS).
                 let replicas = setup.sentinel_cli(s.port, &["SENTINEL", "REPLICAS", name]);
                 let peers = setup.sentinel_cli(s.port, &["SENTINEL", "SENTINELS", name]);
                 replicas.contains(&replica_port.to_string())
@@ -363,11 +458,14 @@ impl RedisSentinel {
         &self.name
     }
 
-    /// `redis://` URLs of the sentinels.
+    /// URLs of the sentinels: `rediss://` to their TLS ports when they have them.
     pub fn sentinel_urls(&self) -> Vec<String> {
         self.sentinels
             .iter()
-            .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .map(|s| match s.tls_port {
+                Some(port) => format!("rediss://127.0.0.1:{port}"),
+                None => format!("redis://127.0.0.1:{}", s.port),
+            })
             .collect()
     }
 
@@ -406,11 +504,11 @@ impl RedisSentinel {
             .collect()
     }
 
-    /// The data server on `port` (the first master or its replica).
+    /// The data server on `port`, plain or TLS (the first master or its replica).
     pub fn server(&self, port: u16) -> &RedisServer {
         self.servers
             .iter()
-            .find(|s| s.port() == port)
+            .find(|s| s.port() == port || s.tls_port() == Some(port))
             .unwrap_or_else(|| panic!("no server on port {port}"))
     }
 
@@ -419,7 +517,7 @@ impl RedisSentinel {
         let master = self.master_port();
         self.servers
             .iter()
-            .map(RedisServer::port)
+            .map(RedisServer::announced_port)
             .find(|p| *p != master)
             .expect("two data servers")
     }
@@ -429,7 +527,7 @@ impl RedisSentinel {
         let port = self.master_port();
         self.servers
             .iter_mut()
-            .find(|s| s.port() == port)
+            .find(|s| s.announced_port() == port)
             .unwrap_or_else(|| panic!("no server on port {port}"))
             .stop();
         port
@@ -455,25 +553,26 @@ impl Drop for RedisSentinel {
     }
 }
 
+/// A sentinel monitoring `name` at `master_port`, with `conf` appended to its configuration.
 fn start_sentinel(
     name: &str,
     master_port: u16,
-    master_password: Option<&str>,
-    sentinel_password: Option<&str>,
+    conf: &str,
+    tls_port: Option<u16>,
 ) -> SentinelProcess {
     let mut last_error = String::new();
     for _ in 0..5 {
         let port = free_port();
         let dir = temp_dir("sentinel", port);
-        let mut auth = String::new();
-        if let Some(pw) = master_password {
-            auth += &format!("sentinel auth-pass {name} {pw}\n");
-        }
-        if let Some(pw) = sentinel_password {
-            auth += &format!("requirepass {pw}\n");
-        }
-        match spawn_sentinel(port, &dir, name, master_port, &auth) {
-            Ok(child) => return SentinelProcess { port, dir, child },
+        match spawn_sentinel(port, &dir, name, master_port, conf) {
+            Ok(child) => {
+                return SentinelProcess {
+                    port,
+                    tls_port,
+                    dir,
+                    child,
+                };
+            }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
                 last_error = e;
@@ -490,7 +589,7 @@ fn spawn_sentinel(
     dir: &Path,
     name: &str,
     master_port: u16,
-    auth: &str,
+    extra_conf: &str,
 ) -> Result<Child, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let log = dir.join("sentinel.log");
@@ -502,7 +601,7 @@ fn spawn_sentinel(
             "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n\
              sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
              sentinel down-after-milliseconds {name} {down_after}\n\
-             sentinel failover-timeout {name} 4000\n{auth}",
+             sentinel failover-timeout {name} 4000\n{extra_conf}",
             dir = dir.display(),
             log = log.display(),
         ),
