@@ -120,7 +120,7 @@ pub(super) fn watchers(
 }
 
 /// Moves `clients` to the master at `to`: each one connected elsewhere is made to reconnect
-/// (which asks a sentinel again), until all are on `to`, the attempts run out, or
+/// (which asks a sentinel again), one after the other, until all are on `to`, the attempts run out, or
 /// `superseded` says a newer switch came. Returns whether all ended on `to`.
 pub(super) async fn move_to(
     clients: &[fred::clients::Client],
@@ -145,11 +145,12 @@ pub(super) async fn move_to(
                 "redis connections not on the new master yet; reconnecting them again"
             );
         }
-        let reconnects = elsewhere.iter().map(|c| async move {
+        // One connection at a time: while one reconnects, the pool hands new calls to the
+        // others, so only the calls already queued on it wait for the reconnect.
+        for client in elsewhere {
             // Bounded: a reconnect waits for fred's own reconnect loop when one is under way.
-            let _ = tokio::time::timeout(Duration::from_secs(2), c.force_reconnection()).await;
-        });
-        futures_util::future::join_all(reconnects).await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), client.force_reconnection()).await;
+        }
         tokio::time::sleep(MOVE_EVERY).await;
     }
     false

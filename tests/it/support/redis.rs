@@ -134,6 +134,11 @@ impl RedisServer {
         Self::start_with(&args)
     }
 
+    /// What the server logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
+    }
+
     /// The TLS port, when the server has one.
     pub fn tls_port(&self) -> Option<u16> {
         self.tls_port
@@ -383,18 +388,20 @@ impl RedisSentinel {
         sentinel_password: Option<&str>,
         tls: Option<&RedisTls>,
     ) -> Self {
-        // `masterauth` too: a demoted master syncs from the new one with it.
-        let auth: Vec<&str> = master_password
-            .map(|pw| vec!["--requirepass", pw, "--masterauth", pw])
-            .unwrap_or_default();
+        // `masterauth` too: a demoted master syncs from the new one with it. A replica syncs
+        // at once, not after the default 5 s wait for more replicas to share the transfer.
+        let mut args = vec!["--repl-diskless-sync-delay", "0"];
+        if let Some(pw) = master_password {
+            args.extend(["--requirepass", pw, "--masterauth", pw]);
+        }
         let start = |extra: &[&str]| match tls {
             Some(tls) => RedisServer::start_tls(tls, extra),
             None => RedisServer::start_with(extra),
         };
-        let master = start(&auth);
+        let master = start(&args);
         let master_port = master.announced_port().to_string();
         let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
-        replica_args.extend(&auth);
+        replica_args.extend(&args);
         let replica = start(&replica_args);
         let (master_port, replica_port) = (master.announced_port(), replica.announced_port());
         let mut conf = String::new();
@@ -504,6 +511,19 @@ impl RedisSentinel {
             .collect()
     }
 
+    /// Every process's log, for a failure message: the sentinels', then the data servers'.
+    pub fn logs(&self) -> String {
+        let sentinels = self.sentinels.iter().map(|s| {
+            let log = std::fs::read_to_string(s.dir.join("sentinel.log")).unwrap_or_default();
+            format!("--- sentinel {} ---\n{log}", s.port)
+        });
+        let servers = self
+            .servers
+            .iter()
+            .map(|s| format!("--- server {} ---\n{}", s.port(), s.log()));
+        sentinels.chain(servers).collect::<Vec<_>>().join("\n")
+    }
+
     /// The data server on `port`, plain or TLS (the first master or its replica).
     pub fn server(&self, port: u16) -> &RedisServer {
         self.servers
@@ -563,7 +583,7 @@ fn start_sentinel(
     let mut last_error = String::new();
     for _ in 0..5 {
         let port = free_port();
-        let dir = temp_dir("sentinel", port);
+        let dir = sentinel_dir(port);
         match spawn_sentinel(port, &dir, name, master_port, conf) {
             Ok(child) => {
                 return SentinelProcess {
@@ -825,8 +845,24 @@ fn free_port() -> u16 {
 }
 
 fn temp_dir(kind: &str, port: u16) -> PathBuf {
+    temp_dir_in(&std::env::temp_dir(), kind, port)
+}
+
+/// A sentinel's directory: in memory (`/dev/shm`) where there is one. A sentinel saves its
+/// config with `fsync` as a failover starts; on a disk busy with builds that took seconds,
+/// long enough for the sentinel to think its clock jumped and stop acting for 30 s (TILT mode).
+fn sentinel_dir(port: u16) -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        temp_dir_in(shm, "sentinel", port)
+    } else {
+        temp_dir("sentinel", port)
+    }
+}
+
+fn temp_dir_in(base: &Path, kind: &str, port: u16) -> PathBuf {
     static SEQ: AtomicU32 = AtomicU32::new(0);
-    std::env::temp_dir().join(format!(
+    base.join(format!(
         "tollgate-redis-{kind}-{}-{port}-{}",
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
