@@ -51,6 +51,9 @@ async fn statuses(g: &Gateway, path: &str, user: &str, n: usize) -> Vec<u16> {
     out
 }
 
+/// The pause between two requests of one load client: ~200 requests/s per client at most.
+const PACE: Duration = Duration::from_millis(5);
+
 /// Requests from `workers` clients in a loop, each over a few users, until `stop`; every
 /// status with the time it came, since `t0`.
 fn load(
@@ -75,6 +78,8 @@ fn load(
                         Err(_) => 0,
                     };
                     seen.push((t0.elapsed(), status));
+                    // Steady traffic, not a flood: the suite's other tests share the machine.
+                    tokio::time::sleep(PACE).await;
                 }
                 seen
             }
