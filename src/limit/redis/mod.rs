@@ -16,6 +16,10 @@
 //!   that elapsed between commit and refund (an RTT's worth, usually a fraction of a unit),
 //!   the others are exact. A refund that fails (Redis gone mid-request) leaves the units
 //!   taken until the key expires, which again only errs towards limiting.
+//! - **Redis Sentinel**: everything above runs on the master the sentinels name; fred asks
+//!   them at every (re)connect, and the store moves its connections to a new master as soon as
+//!   a sentinel announces a failover (see `sentinel.rs`). During the failover Redis is down,
+//!   as below.
 //! - **Time** is the Redis server's (`TIME` inside the script); on a cluster, each slot's
 //!   node's clock.
 //! - **Memory**: every written key expires once its state is back to full.
@@ -94,7 +98,7 @@ const PROBE_TICK: Duration = Duration::from_millis(50);
 /// How to reach Redis: the config's `redis` section as the store needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// Which Redis: one server or a Cluster.
+    /// Which Redis: one server, a Cluster, or a master named by Sentinel.
     pub target: RedisTarget,
     /// Bound on every call (`redis.timeout`).
     pub timeout: Duration,
