@@ -12,6 +12,7 @@ mod overrides_file;
 mod rate;
 mod raw;
 pub mod redis;
+mod redis_section;
 mod rejection;
 mod summary;
 mod types;
@@ -27,8 +28,8 @@ pub use self::summary::summary;
 pub use self::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,
     OnMissing, Override, OverrideRate, OverridesFile, OverridesTable, PathMatch, Piece, Plan, Rate,
-    RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope, ServerConfig,
-    TableEntry, Template, TemplateError, UpstreamCa, When,
+    RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope, SentinelTarget,
+    ServerConfig, TableEntry, Template, TemplateError, UpstreamCa, When,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 

@@ -409,11 +409,7 @@ impl RawTable {
             let b = s.start as usize;
             &arena[b..b + usize::from(s.len)]
         };
-        if self
-            .index
-            .find(hash, |s| key_of(s) == stored)
-            .is_some()
-        {
+        if self.index.find(hash, |s| key_of(s) == stored).is_some() {
             return Err(format!(
                 "`{key}` is listed twice (as the gateway stores keys, `{}`): keep one entry",
                 String::from_utf8_lossy(stored)

@@ -84,9 +84,19 @@ pub(super) struct RawTls {
 pub(super) struct RawRedis {
     pub url: Option<Text>,
     pub cluster: Option<Spanned<OneOrMany>>,
+    pub sentinel: Option<Spanned<RawSentinel>>,
     pub timeout: Option<Text>,
     pub on_error: Option<Text>,
     pub pool_size: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSentinel {
+    pub master: Option<Text>,
+    pub nodes: Option<Spanned<OneOrMany>>,
+    pub username: Option<Text>,
+    pub password: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -81,6 +81,20 @@ pub fn summary(cfg: &Config) -> String {
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
+                RedisTarget::Sentinel(s) => format!(
+                    "sentinel master {} via {}{}",
+                    s.master,
+                    s.nodes
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    match (&s.username, &s.password) {
+                        (Some(user), Some(_)) => format!(" (master as user {user}, password set)"),
+                        (None, Some(_)) => " (master password set)".to_string(),
+                        _ => String::new(),
+                    }
+                ),
             };
             let on_error = match r.on_error {
                 OnError::Allow => "allow: fall back to the local limit",

@@ -179,7 +179,7 @@ impl Default for ServerConfig {
 /// The `redis` section: where `global` limits keep their state.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RedisConfig {
-    /// `url: ..` or `cluster: [..]` right in the section, as in the YAML.
+    /// `url: ..`, `cluster: [..]` or `sentinel: {..}` right in the section, as in the YAML.
     #[serde(flatten)]
     pub target: RedisTarget,
     /// Per command: a slow Redis must not hold requests longer than this.
@@ -191,8 +191,8 @@ pub struct RedisConfig {
     pub pool_size: usize,
 }
 
-/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}` or
-/// `{"cluster": [..]}`.
+/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}`,
+/// `{"cluster": [..]}` or `{"sentinel": {"master": .., "nodes": [..]}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RedisTarget {
     /// `redis://[user:pass@]host:port[/db]`; a `redis-cluster://host:port?node=h2:p2` URL
@@ -202,6 +202,31 @@ pub enum RedisTarget {
     /// Seed nodes of a Redis Cluster (`redis://host:port` each); the rest is discovered.
     #[serde(rename = "cluster")]
     Cluster(#[serde(serialize_with = "serialize_redis_urls")] Vec<String>),
+    /// A master that Redis Sentinel names: the sentinels say which server it is, at connect
+    /// and after a failover, so a failover is followed without a restart.
+    #[serde(rename = "sentinel")]
+    Sentinel(SentinelTarget),
+}
+
+/// `redis.sentinel`: which master, asked of which sentinels, and the credentials of each side
+/// (sentinels and Redis servers are configured apart, and often authenticate apart).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SentinelTarget {
+    /// The master's name in the sentinels' configuration (`sentinel monitor NAME ...`).
+    pub master: String,
+    /// Sentinels, `redis://[user:pass@]host:port` (port 26379 when left out); the credentials
+    /// in these URLs are the sentinels' own. Every node has the same credentials and scheme.
+    #[serde(serialize_with = "serialize_redis_urls")]
+    pub nodes: Vec<String>,
+    /// ACL user on the master (and on a replica once promoted); `None`: `default`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Password on the master (and on a replica once promoted); `None`: no `AUTH`.
+    #[serde(
+        serialize_with = "serialize_secret",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub password: Option<String>,
 }
 
 /// What a `global` limit decides when Redis does not answer.

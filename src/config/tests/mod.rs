@@ -3,6 +3,7 @@
 mod consumers;
 mod errors;
 mod limits;
+mod sentinel;
 mod tls;
 mod valid;
 
