@@ -574,6 +574,9 @@ pub struct LimitSet {
     pub reads_headers: bool,
     /// Some limit is `eventual`: without one, a local decision skips holding eventual keys.
     has_eventual: bool,
+    /// Some limit has overrides: without one, every key is decided under its limit's own rate
+    /// and the verdict needs no rate looked up.
+    has_overrides: bool,
 }
 
 /// One applicable limit of this request: its index, its key's span in the key buffer, and
@@ -594,6 +597,7 @@ impl LimitSet {
                 || l.overrides.as_ref().is_some_and(|o| o.reads_headers)
         });
         Self {
+            has_overrides: limits.iter().any(|l| l.overrides.is_some()),
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
             has_eventual,
@@ -687,13 +691,15 @@ impl LimitSet {
     /// per span, reported per limit), and a 429's key recorded for `top`.
     #[inline]
     fn finish(&self, mut verdict: Verdict, keys: &[u8], spans: &[Span], now: Micros) -> Verdict {
-        let rate_of = |limit: usize| spans.iter().find(|sp| sp.0 == limit).map_or(0, |sp| sp.3);
-        match &mut verdict {
-            Verdict::Reject { limit, rate, .. } => *rate = rate_of(*limit),
-            Verdict::Admit {
-                info: Some(info), ..
-            } => info.rate = rate_of(info.limit),
-            _ => {}
+        if self.has_overrides {
+            let rate_of = |limit: usize| spans.iter().find(|sp| sp.0 == limit).map_or(0, |sp| sp.3);
+            match &mut verdict {
+                Verdict::Reject { limit, rate, .. } => *rate = rate_of(*limit),
+                Verdict::Admit {
+                    info: Some(info), ..
+                } => info.rate = rate_of(info.limit),
+                _ => {}
+            }
         }
         self.record_rejection(&verdict, keys, spans, now);
         verdict
