@@ -3,7 +3,7 @@
 #
 #   bench/instructions.sh                          # target/release/tollgate
 #   TOLLGATE_BIN=/tmp/old-tollgate bench/instructions.sh
-#   TARGETS="admit admit-fixed admit-calendar" bench/instructions.sh   # other targets
+#   TARGETS="admit admit-overrides admit-shared" bench/instructions.sh
 #   KEEP=1 bench/instructions.sh                   # keep the profiles, then e.g.
 #   callgrind_annotate --inclusive=yes /tmp/tollgate-instructions.*/reject.*.1
 #
@@ -14,8 +14,14 @@
 # tollgate's own user-space work only; the kernel's (the larger part, see bench/cpu.sh) is
 # not in it, nor cache misses.
 #
-# For each target of bench/load.sh that needs no Redis (proxy, admit, reject; TARGETS names
-# others among bench/load/tollgate-NAME.yaml, e.g. admit-fixed, admit-calendar): tollgate runs
+# Not run by default: `admit-key` is `admit` keyed by an API key header (wrk sends one) behind
+# a trusted proxy; `admit-overrides` is `admit-key` with five inline overrides and a
+# 1,000,000-entry overrides file that names the key (the cost of consumers' plans on the
+# request path); `admit-shared` is `admit` drawing on a top-level shared limit;
+# `admit-fixed` is `admit` on a fixed_window limit, `admit-calendar` the same on the calendar
+# days of Europe/Berlin (`align: calendar`).
+#
+# For each target of bench/load.sh that needs no Redis (proxy, admit, reject): tollgate runs
 # under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts
 # are zeroed, wrk runs DURATION seconds, the counts are dumped; instructions / requests wrk
 # completed. The upstream is an nginx worker as in bench/load.sh. Needs valgrind, nginx, wrk.
@@ -40,23 +46,38 @@ render upstream.nginx.conf "$TMP/up.conf" DIR="$TMP/up" PORT="$UP" USER_LINE="$(
 nginx -c "$TMP/up.conf" -g 'daemon off;' >/dev/null 2>&1 & PIDS+=($!)
 wait_up "http://127.0.0.1:$UP/"
 
+# The overrides file of `admit-overrides`: a million keys, the client's (127.0.0.1) among them.
+if [[ " ${TARGETS:-} " == *" admit-overrides "* ]]; then
+    python3 - "$TMP/consumers.yaml" <<'PY'
+import sys
+with open(sys.argv[1], "w") as f:
+    for i in range(999_999):
+        f.write(f"key-{i:07d}-{(i * 2654435761) % 2**40:010x}: {'other' if i % 3 else 'exempt'}\n")
+    f.write("127.0.0.1: bench\n")
+PY
+fi
+
 echo "binary: $BIN"
-printf '%-8s %10s %14s\n' target requests instr/request
+printf '%-16s %10s %14s\n' target requests instr/request
 for name in ${TARGETS:-proxy admit reject}; do
     p=$(free_port); a=$(free_port)
-    render "tollgate-$name.yaml" "$TMP/$name.yaml" PORT="$p" ADMIN_PORT="$a" UPSTREAM_PORT="$UP"
+    render "tollgate-$name.yaml" "$TMP/$name.yaml" PORT="$p" ADMIN_PORT="$a" UPSTREAM_PORT="$UP" \
+        OVERRIDES="$TMP/consumers.yaml"
     TOKIO_WORKER_THREADS=1 RUST_LOG=warn valgrind --tool=callgrind \
         --callgrind-out-file="$TMP/$name.%p" "$BIN" run --config "$TMP/$name.yaml" \
         >"$TMP/$name.log" 2>&1 &
     vg=$!
     PIDS+=("$vg")
-    wait_up "http://127.0.0.1:$a/healthz" 60
-    wrk -t1 -c8 -d2s "http://127.0.0.1:$p/" >/dev/null
+    # Loading a million-entry file under valgrind takes a while.
+    wait_up "http://127.0.0.1:$a/healthz" 300
+    hdr=()
+    [[ "$name" == admit-key || "$name" == admit-overrides ]] && hdr=(-H "x-api-key: 127.0.0.1")
+    wrk -t1 -c8 -d2s "${hdr[@]}" "http://127.0.0.1:$p/" >/dev/null
     callgrind_control -z "$vg" >/dev/null 2>&1
-    out=$(wrk -t1 -c8 -d"${DURATION}s" "http://127.0.0.1:$p/")
+    out=$(wrk -t1 -c8 -d"${DURATION}s" "${hdr[@]}" "http://127.0.0.1:$p/")
     callgrind_control -d "$vg" >/dev/null 2>&1
     kill "$vg"; wait "$vg" 2>/dev/null || true
     reqs=$(awk '/requests in/ {print $1}' <<<"$out")
     ir=$(awk '/^totals:/ {print $2}' "$TMP/$name.$vg.1")
-    printf '%-8s %10d %14.0f\n' "$name" "$reqs" "$(python3 -c "print($ir / $reqs)")"
+    printf '%-16s %10d %14.0f\n' "$name" "$reqs" "$(python3 -c "print($ir / $reqs)")"
 done

@@ -298,6 +298,7 @@ async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch:
         }
     };
     loop {
+        w.also_watch(&shared.gateway.snapshot.load().config.files_read());
         tokio::select! {
             _ = w.changed() => {}
             _ = stop.wait_for(|s| *s) => return,
@@ -329,16 +330,12 @@ async fn sync_eventual(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiv
             continue;
         };
         let now = shared.gateway.clock.now();
-        let due = rt
-            .routes
-            .iter()
-            .flat_map(|r| r.limits.limits.iter())
-            .filter(|l| {
-                l.eventual.as_ref().is_some_and(|ev| {
-                    let synced = ev.last_sync.load(std::sync::atomic::Ordering::Relaxed);
-                    last || now >= synced + l.sync_interval
-                })
-            });
+        let due = rt.distinct_limits().filter(|l| {
+            l.eventual.as_ref().is_some_and(|ev| {
+                let synced = ev.last_sync.load(std::sync::atomic::Ordering::Relaxed);
+                last || now >= synced + l.sync_interval
+            })
+        });
         let jobs = due.map(|l| sync_limit(&shared, redis, l, now));
         futures_util::future::join_all(jobs).await;
         if last {

@@ -15,6 +15,7 @@ mod connector;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod key;
+mod keytext;
 pub mod limit;
 mod listener;
 pub mod metrics;

@@ -327,6 +327,7 @@ impl Metrics {
             rejected: d("rejected"),
             delayed: d("delayed"),
             shadow_rejected: d("shadow_rejected"),
+            exempt: d("exempt"),
             fallback: self.fallback.get_or_create_owned(&rl),
             delay: self.delay.get_or_create_owned(&rl),
             abandoned: self.waiters_abandoned.get_or_create_owned(&rl),
@@ -409,6 +410,9 @@ pub struct LimitMetrics {
     pub delayed: Counter,
     /// `decision="shadow_rejected"`: a `shadow` limit would have refused; the request went on.
     pub shadow_rejected: Counter,
+    /// `decision="exempt"`: an override (or the overrides file) exempts the request's key;
+    /// this limit did not count it.
+    pub exempt: Counter,
     /// `tollgate_fallback_decisions_total`: decided by the local store under `on_error: allow`
     /// because Redis could not answer.
     pub fallback: Counter,

@@ -14,7 +14,7 @@ use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Uri};
 use ipnet::IpNet;
 
-use crate::config::{Config, LimitConfig, OnError, RedisConfig};
+use crate::config::{Config, Consistency, LimitConfig, OnError, RedisConfig, Scope};
 use crate::connector::{Connector, Pools};
 use crate::limit::eventual::EventualStore;
 use crate::limit::local::LocalStore;
@@ -178,7 +178,10 @@ impl ConfigSnapshot {
                 waiters.insert(r.name.to_string(), r.waiters.clone());
                 for l in &r.limits.limits {
                     carried.insert(
-                        (r.name.to_string(), l.name.to_string()),
+                        (
+                            state_owner(&r.name, &l.config).to_owned(),
+                            l.name.to_string(),
+                        ),
                         (
                             l.config.clone(),
                             (
@@ -211,6 +214,9 @@ impl ConfigSnapshot {
         });
         let cluster = redis.as_ref().is_some_and(|r| r.is_cluster());
         let tiers = TierMetrics::new(metrics);
+        // A shared limit's stores, taken by the first route that uses it and cloned by the rest:
+        // one state per key, whichever route draws on it.
+        let mut shared: HashMap<String, Stores> = HashMap::new();
         let routes = config
             .routes
             .iter()
@@ -219,11 +225,31 @@ impl ConfigSnapshot {
                     .limits
                     .iter()
                     .map(|lc| {
-                        let (store, tier, eventual, top) =
-                            match carried.remove(&(rc.name.clone(), lc.name.clone())) {
+                        let owner = state_owner(&rc.name, lc);
+                        let mut carry =
+                            || match carried.remove(&(owner.to_owned(), lc.name.clone())) {
                                 Some((old, stores)) if same_state_shape(&old, lc) => stores,
                                 _ => Default::default(),
                             };
+                        let (store, tier, eventual, top) = if lc.shared {
+                            shared
+                                .entry(lc.name.clone())
+                                .or_insert_with(|| {
+                                    let (store, tier, eventual, top) = carry();
+                                    // A global eventual limit's store is made here rather than
+                                    // in `Limit::new`, so that every route shares it.
+                                    let eventual = match (lc.scope, lc.consistency) {
+                                        (Scope::Global, Consistency::Eventual) => {
+                                            Some(eventual.unwrap_or_default())
+                                        }
+                                        _ => None,
+                                    };
+                                    (store, tier, eventual, top)
+                                })
+                                .clone()
+                        } else {
+                            carry()
+                        };
                         let mut limit = Limit::new(
                             &rc.name,
                             lc,
@@ -267,11 +293,19 @@ impl ConfigSnapshot {
         }
     }
 
-    /// Drops idle keys from every local store and tier cache; returns the keys kept.
-    pub fn sweep(&self, now: crate::limit::algorithm::Micros) -> usize {
+    /// Every limit once: a shared limit (`- use:`) appears in each route that uses it, with the
+    /// same stores; only its first appearance is listed.
+    pub fn distinct_limits(&self) -> impl Iterator<Item = &Limit> {
+        let mut seen = std::collections::HashSet::new();
         self.routes
             .iter()
             .flat_map(|r| r.limits.limits.iter())
+            .filter(move |l| !l.config.shared || seen.insert(Arc::as_ptr(&l.store)))
+    }
+
+    /// Drops idle keys from every local store and tier cache; returns the keys kept.
+    pub fn sweep(&self, now: crate::limit::algorithm::Micros) -> usize {
+        self.distinct_limits()
             .map(|l| {
                 l.store.sweep(now)
                     + l.deny_cache.sweep(now)
@@ -279,6 +313,12 @@ impl ConfigSnapshot {
             })
             .sum()
     }
+}
+
+/// Who a limit's state belongs to across a reload: its route, or for a shared limit `@` (every
+/// route that uses it; `@` cannot start a route's name).
+fn state_owner<'a>(route: &'a str, limit: &LimitConfig) -> &'a str {
+    if limit.shared { "@" } else { route }
 }
 
 /// State can be carried over when the algorithm and its quota are the same: a changed rate or
@@ -356,6 +396,7 @@ mod tests {
             client_ip: [127, 0, 0, 1].into(),
             client_ip_text: None,
             route: "r",
+            peer_trusted: false,
         };
         matches!(
             rt.block_on(limits.evaluate(&parts, &cx)),

@@ -143,10 +143,11 @@ impl Shared {
         )
     }
 
-    /// One key's state, from the store that holds it: Redis for global limits (the local
-    /// fallback store when Redis cannot answer), the local store otherwise; and that store's
-    /// name.
-    pub async fn peek(&self, limit: &Limit, key: &[u8]) -> (Snapshot, &'static str) {
+    /// One key's state under `rate` (an index into [`Limit::rates`]), from the store that
+    /// holds it: Redis for global limits (the local fallback store when Redis cannot answer),
+    /// the local store otherwise; and that store's name.
+    pub async fn peek(&self, limit: &Limit, rate: u16, key: &[u8]) -> (Snapshot, &'static str) {
+        let algorithm = &limit.rate(rate).algorithm;
         let now = self.gateway.clock.now();
         let rt = self.gateway.snapshot.load_full();
         // An eventual limit is decided here, on counts synced with Redis: its state is this
@@ -159,7 +160,7 @@ impl Shared {
         {
             let redis_key = limit.redis_key(key);
             let g = GlobalLimit {
-                algorithm: &limit.algorithm,
+                algorithm,
                 key: &redis_key,
                 cost: limit.cost,
                 max_delay: limit.max_delay,
@@ -176,7 +177,7 @@ impl Shared {
         } else {
             "local"
         };
-        (limit.store.peek(&limit.algorithm, key, now), store)
+        (limit.store.peek(algorithm, key, now), store)
     }
 }
 

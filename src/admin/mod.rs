@@ -18,6 +18,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::limit::Applied;
 use crate::limit::top::CAPACITY;
 use crate::limit::{Forgotten, Limit};
 use crate::metrics::Format;
@@ -207,7 +208,15 @@ async fn limit_state(
         Ok(found) => found,
         Err(bad) => return bad.into_response(),
     };
-    let (s, store) = shared.peek(l, &crate::key::from_admin(key)).await;
+    let stored = crate::key::from_admin(key);
+    // An override on the key (or the overrides file) decides its rate; one on the client's
+    // address or headers needs a request, so the limit's own rate is shown then.
+    let (rate, exempt) = match l.rate_for_key(&stored) {
+        Applied::Rate(r) => (r, false),
+        Applied::Exempt => (0, true),
+    };
+    let (s, store) = shared.peek(l, rate, &stored).await;
+    let applied = l.rate(rate);
     Json(json!({
         "store": store,
         "route": route,
@@ -215,7 +224,10 @@ async fn limit_state(
         "key": key,
         "scope": l.scope,
         "algorithm": l.config.algorithm,
-        "limit_count": l.config.rate.count,
+        "limit_count": applied.count,
+        "plan": applied.plan.as_deref(),
+        "exempt": exempt,
+        "shared": l.config.shared,
         "remaining": s.remaining,
         "reset_after_ms": s.reset_after.div_ceil(1000),
     }))

@@ -13,27 +13,30 @@ use std::time::Duration;
 use serde_saphyr::Spanned;
 
 use super::Invalid;
-use super::rate::DurationText;
+use super::consumers::{Consumers, Shape};
+use super::rate::{DurationText, LUA_PARAM_MAX, precision_problem};
 use super::raw::{RawLimit, Text};
 use super::types::{
     AlgorithmKind, Consistency, KeyPart, LimitConfig, OnLimit, OnMissing, Rate, Scope,
 };
 use super::validate::{Checked, at, duration_or, items, keyword, name, positive_duration_or};
 
-/// Global limits are computed in Lua, whose numbers are doubles (exact integers below 2^53);
-/// the scripts keep every parameter at most 2^50 so their sums stay exact (products beyond
-/// 2^53, as sliding_window's COUNT × PERIOD, go through an exact helper).
-const LUA_PARAM_MAX: u64 = super::redis::MAX_PARAM;
-
 pub(super) fn limit(
     raw: Spanned<RawLimit>,
     has_redis: bool,
     route: &str,
     seen: &mut HashMap<String, u64>,
+    consumers: &mut Consumers<'_>,
     warnings: &mut Vec<Invalid>,
 ) -> Checked<LimitConfig> {
     let limit_at = at(&raw);
     let raw = raw.value;
+    if let Some(u) = &raw.use_ {
+        return Err(Invalid::new(
+            at(u),
+            "`use:` draws on a top-level limit and takes no other field, and not inside the top-level `limits:` itself",
+        ));
+    }
     let name = name(raw.name, limit_at, seen, Some(route))?;
 
     let Some(rate_text) = raw.rate else {
@@ -231,6 +234,25 @@ pub(super) fn limit(
         Duration::from_millis(100),
     )?;
 
+    let shape = Shape {
+        name: name.clone(),
+        algorithm,
+        rate,
+        cost,
+        consistency,
+        key_parts: key.len(),
+        calendar: calendar.as_ref().map(|c| c.unit),
+    };
+    let overrides = match raw.overrides {
+        Some(list) => super::consumers::overrides(list, &shape, consumers, warnings)?,
+        None => Vec::new(),
+    };
+    let overrides_file = raw
+        .overrides_file
+        .as_ref()
+        .map(|t| super::consumers::overrides_file(t, &shape, consumers, warnings))
+        .transpose()?;
+
     Ok(LimitConfig {
         name,
         key,
@@ -246,34 +268,18 @@ pub(super) fn limit(
         consistency,
         sync_interval,
         calendar,
+        overrides,
+        overrides_file,
+        shared: false,
     })
 }
 
 /// Rates that are valid arithmetic but beyond what the limiters represent.
 fn check_precision(algorithm: AlgorithmKind, rate: Rate, rate_text: &Text) -> Checked<()> {
-    let micros = rate.period_micros();
-    let beyond_doubles = rate.count > LUA_PARAM_MAX || micros > LUA_PARAM_MAX;
-    match algorithm {
-        _ if beyond_doubles => {
-            return Err(Invalid::new(
-                at(rate_text),
-                format!(
-                    "rate {rate} is too large: COUNT and PERIOD in microseconds must stay at most 2^50 because the Redis scripts compute with doubles"
-                ),
-            ));
-        }
-        // The emission interval period/count is kept in whole microseconds.
-        AlgorithmKind::Gcra if rate.count > micros => {
-            return Err(Invalid::new(
-                at(rate_text),
-                format!(
-                    "rate {rate} is finer than one per microsecond, which gcra cannot represent; use a longer period for the same ratio, or another algorithm"
-                ),
-            ));
-        }
-        _ => {}
+    match precision_problem(algorithm, rate) {
+        Some(why) => Err(Invalid::new(at(rate_text), why)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn delay(

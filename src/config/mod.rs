@@ -7,10 +7,13 @@
 //! A `Config` that exists is a config that is safe to run.
 
 mod calendar;
+mod consumers;
 mod limit;
+mod overrides_file;
 mod rate;
 mod raw;
 pub mod redis;
+mod redis_section;
 mod rejection;
 mod summary;
 mod types;
@@ -26,8 +29,9 @@ pub use self::calendar::{CalendarUnit, CalendarWindows};
 pub use self::summary::summary;
 pub use self::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, ListenerTls, OnError, OnLimit,
-    OnMissing, PathMatch, Piece, Rate, RedisConfig, RedisTarget, RejectionConfig, RouteConfig,
-    RouteMatch, Scope, ServerConfig, Template, TemplateError, UpstreamCa,
+    OnMissing, Override, OverrideRate, OverridesFile, OverridesTable, PathMatch, Piece, Plan, Rate,
+    RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope, SentinelTarget,
+    ServerConfig, TableEntry, Template, TemplateError, UpstreamCa, When,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 
@@ -66,20 +70,20 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
         column: 0,
         message: format!("cannot read the config file: {e}"),
     })?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        // Point at the bad byte: an editor shows it, a generic I/O error does not.
+    let text = utf8(bytes).map_err(|e| e.in_file(path))?;
+    parse_str(path, &text)
+}
+
+/// A file's bytes as text; not UTF-8, refused at the bad byte (an editor shows it, a generic
+/// I/O error does not).
+fn utf8(bytes: Vec<u8>) -> Result<String, Invalid> {
+    String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         let valid = std::str::from_utf8(valid).unwrap_or_default();
         let line = valid.matches('\n').count() as u64 + 1;
         let column = valid.rsplit('\n').next().unwrap_or("").chars().count() as u64 + 1;
-        ConfigError {
-            path: path.to_path_buf(),
-            line,
-            column,
-            message: "the file is not valid UTF-8".to_owned(),
-        }
-    })?;
-    parse_str(path, &text)
+        Invalid::new(Pos { line, column }, "the file is not valid UTF-8")
+    })
 }
 
 /// Parses and validates `text`; `path` is used in error messages, and its directory is where
@@ -112,11 +116,13 @@ fn is_empty(text: &str) -> bool {
     })
 }
 
-/// A refusal before it knows which file it belongs to.
+/// A refusal before it knows which file it belongs to (unless it is in a file the config names,
+/// such as an overrides file, which it then carries).
 #[derive(Debug)]
 struct Invalid {
     at: Pos,
     message: String,
+    file: Option<PathBuf>,
 }
 
 impl Invalid {
@@ -124,12 +130,19 @@ impl Invalid {
         Self {
             at,
             message: message.into(),
+            file: None,
         }
+    }
+
+    /// The same refusal, in the file at `path` rather than the config file.
+    fn in_other_file(mut self, path: &Path) -> Self {
+        self.file = Some(path.to_path_buf());
+        self
     }
 
     fn in_file(self, path: &Path) -> ConfigError {
         ConfigError {
-            path: path.to_path_buf(),
+            path: self.file.unwrap_or_else(|| path.to_path_buf()),
             line: self.at.line,
             column: self.at.column,
             message: self.message,

@@ -10,9 +10,15 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::calendar::CalendarUnit;
+use super::types::AlgorithmKind;
+
+/// Global limits are computed in Lua, whose numbers are doubles (exact integers below 2^53);
+/// the scripts keep every parameter at most 2^50 so their sums stay exact (products beyond
+/// 2^53, as sliding_window's COUNT × PERIOD, go through an exact helper).
+pub(super) const LUA_PARAM_MAX: u64 = super::redis::MAX_PARAM;
 
 /// `count` units per `period`: what one limit lets through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Rate {
     /// At least 1.
     pub count: u64,
@@ -79,6 +85,19 @@ pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
         return Err(format!("rate `{text}`: the period must be longer than 0"));
     }
     Ok(Rate { count, period })
+}
+
+/// A plan's or an override's rate: [`parse_rate`]'s, and `COUNT/1w` or `COUNT/1mo` too, as their
+/// nominal 7 and 30 days, so that a plan can give a calendar limit of weeks or months another
+/// count (applied to any other limit they are those lengths).
+pub(super) fn parse_plan_rate(text: &str) -> Result<Rate, String> {
+    match parse_calendar_rate(text) {
+        Ok((count, unit @ (CalendarUnit::Week | CalendarUnit::Month))) => Ok(Rate {
+            count,
+            period: unit.nominal(),
+        }),
+        _ => parse_rate(text),
+    }
 }
 
 /// A rate under `align: calendar`: `COUNT/1d`, `COUNT/1w` or `COUNT/1mo` (the `1` may be left
@@ -210,5 +229,21 @@ impl fmt::Display for DurationText {
             }
         }
         write!(f, "{micros}us")
+    }
+}
+
+/// Why `algorithm` cannot run `rate` exactly, if it cannot.
+pub(super) fn precision_problem(algorithm: AlgorithmKind, rate: Rate) -> Option<String> {
+    let micros = rate.period_micros();
+    let beyond_doubles = rate.count > LUA_PARAM_MAX || micros > LUA_PARAM_MAX;
+    match algorithm {
+        _ if beyond_doubles => Some(format!(
+            "rate {rate} is too large: COUNT and PERIOD in microseconds must stay at most 2^50 because the Redis scripts compute with doubles"
+        )),
+        // The emission interval period/count is kept in whole microseconds.
+        AlgorithmKind::Gcra if rate.count > micros => Some(format!(
+            "rate {rate} is finer than one per microsecond, which gcra cannot represent; use a longer period for the same ratio, or another algorithm"
+        )),
+        _ => None,
     }
 }

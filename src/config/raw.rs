@@ -8,6 +8,7 @@
 //! last key it read, while validation can point at the mapping that lacks it.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::Deserialize;
@@ -23,7 +24,37 @@ pub(super) type Text = Spanned<String>;
 pub(super) struct RawConfig {
     pub server: Option<RawServer>,
     pub redis: Option<Spanned<RawRedis>>,
+    pub plans: Option<Spanned<BTreeMap<String, Spanned<RawPlan>>>>,
+    pub limits: Option<Vec<Spanned<RawLimit>>>,
     pub routes: Option<Vec<Spanned<RawRoute>>>,
+}
+
+/// One entry of `plans:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPlan {
+    pub rate: Option<Text>,
+    pub burst: Option<Spanned<u64>>,
+}
+
+/// One entry of a limit's `overrides:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOverride {
+    pub when: Option<Spanned<RawWhen>>,
+    pub plan: Option<Text>,
+    pub rate: Option<Text>,
+    pub burst: Option<Spanned<u64>>,
+    pub exempt: Option<Spanned<bool>>,
+}
+
+/// An override's `when:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWhen {
+    pub ip: Option<Spanned<OneOrMany>>,
+    pub key: Option<Spanned<OneOrMany>>,
+    pub header: Option<Spanned<BTreeMap<String, Text>>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -53,9 +84,19 @@ pub(super) struct RawTls {
 pub(super) struct RawRedis {
     pub url: Option<Text>,
     pub cluster: Option<Spanned<OneOrMany>>,
+    pub sentinel: Option<Spanned<RawSentinel>>,
     pub timeout: Option<Text>,
     pub on_error: Option<Text>,
     pub pool_size: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSentinel {
+    pub master: Option<Text>,
+    pub nodes: Option<Spanned<OneOrMany>>,
+    pub username: Option<Text>,
+    pub password: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -93,6 +134,9 @@ pub(super) struct RawMatch {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLimit {
+    /// `- use: NAME`: the top-level limit of that name (and nothing else in the entry).
+    #[serde(rename = "use")]
+    pub use_: Option<Text>,
     pub name: Option<Text>,
     pub key: Option<Spanned<OneOrMany>>,
     pub on_missing: Option<Text>,
@@ -108,6 +152,8 @@ pub(super) struct RawLimit {
     pub sync_interval: Option<Text>,
     pub align: Option<Text>,
     pub timezone: Option<Text>,
+    pub overrides: Option<Vec<Spanned<RawOverride>>>,
+    pub overrides_file: Option<Text>,
 }
 
 /// `upstream: URL` or `upstream: [URL, ...]` (likewise `key`, `methods`, ...).
@@ -176,7 +222,7 @@ pub(super) fn parse(text: &str) -> Result<RawConfig, Invalid> {
 /// and the source snippet: the position is already in `PATH:LINE:COL`. Type
 /// mismatches are reworded in YAML terms ("invalid u64" means nothing to an
 /// operator).
-fn plain_message(e: &serde_saphyr::Error) -> String {
+pub(super) fn plain_message(e: &serde_saphyr::Error) -> String {
     use serde_saphyr::Error;
     match e.without_snippet() {
         Error::InvalidScalar { ty: "boolean", .. } => return "expected true or false".to_owned(),

@@ -9,8 +9,8 @@ use std::fmt::Write as _;
 use super::calendar::{CalendarUnit, CalendarWindows};
 use super::rate::DurationText;
 use super::types::{
-    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, PathMatch,
-    RedisTarget, RouteConfig, Scope, redact_url,
+    AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, OverrideRate,
+    PathMatch, RedisTarget, RouteConfig, Scope, redact_url,
 };
 
 /// What `tollgate check` prints for `cfg`: listeners, Redis (credentials redacted), and each
@@ -88,6 +88,20 @@ pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
+                RedisTarget::Sentinel(s) => format!(
+                    "sentinel master {} via {}{}",
+                    s.master,
+                    s.nodes
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    match (&s.username, &s.password) {
+                        (Some(user), Some(_)) => format!(" (master as user {user}, password set)"),
+                        (None, Some(_)) => " (master password set)".to_string(),
+                        _ => String::new(),
+                    }
+                ),
             };
             let on_error = match r.on_error {
                 OnError::Allow => "allow: fall back to the local limit",
@@ -99,6 +113,39 @@ pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
                 DurationText(r.timeout),
                 r.pool_size
             );
+        }
+    }
+    if !cfg.plans.is_empty() {
+        let plans: Vec<String> = cfg
+            .plans
+            .iter()
+            .map(|p| match p.burst {
+                Some(b) => format!("{} {} burst {b}", p.name, p.rate),
+                None => format!("{} {}", p.name, p.rate),
+            })
+            .collect();
+        let _ = writeln!(out, "plans    {}", plans.join(", "));
+    }
+    if !cfg.limits.is_empty() {
+        let _ = writeln!(
+            out,
+            "shared   {} limit{} (one budget per key across the routes that use them)",
+            cfg.limits.len(),
+            if cfg.limits.len() == 1 { "" } else { "s" }
+        );
+        for limit in &cfg.limits {
+            let users: Vec<&str> = cfg
+                .routes
+                .iter()
+                .filter(|r| r.limits.iter().any(|l| l.shared && l.name == limit.name))
+                .map(|r| r.name.as_str())
+                .collect();
+            let used = if users.is_empty() {
+                "used by no route".to_owned()
+            } else {
+                format!("used by {}", users.join(", "))
+            };
+            write_limit(&mut out, limit, Some(&used), now);
         }
     }
     if cfg.routes.is_empty() {
@@ -175,11 +222,21 @@ fn write_route(out: &mut String, route: &RouteConfig, now: jiff::Timestamp) {
         let _ = writeln!(out, "  no limits");
     }
     for limit in &route.limits {
-        write_limit(out, limit, now);
+        if limit.shared {
+            let _ = writeln!(
+                out,
+                "  limit {}: shared (top-level limits; one budget per key with every route that uses it)",
+                limit.name
+            );
+        } else {
+            write_limit(out, limit, None, now);
+        }
     }
 }
 
-fn write_limit(out: &mut String, l: &LimitConfig, now: jiff::Timestamp) {
+/// One limit's lines; `used` says which routes draw on a shared one; a calendar limit's
+/// current window is shown as it is at `now`.
+fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>, now: jiff::Timestamp) {
     let mut algo = match &l.calendar {
         None => format!("{} {}", l.algorithm, l.rate),
         Some(c) => format!(
@@ -229,6 +286,70 @@ fn write_limit(out: &mut String, l: &LimitConfig, now: jiff::Timestamp) {
     let _ = writeln!(out, "    {}", admission_bound(l));
     if let Some(c) = &l.calendar {
         let _ = writeln!(out, "    {}", current_window(c, now));
+    }
+    if let Some(used) = used {
+        let _ = writeln!(out, "    {used}");
+    }
+    for o in &l.overrides {
+        let mut when = Vec::new();
+        if !o.when.ip.is_empty() {
+            when.push(format!("ip in {}", join(&o.when.ip, ", ")));
+        }
+        if !o.when.key.is_empty() {
+            when.push(format!("key {}", o.when.key.join(" or ")));
+        }
+        for (name, value) in &o.when.header {
+            when.push(format!("{name}: {value} (from trusted proxies only)"));
+        }
+        let _ = writeln!(
+            out,
+            "    override when {}: {}",
+            when.join(" and "),
+            override_rate(&o.then, l)
+        );
+    }
+    if let Some(f) = &l.overrides_file {
+        let (per_plan, exempt) = f.table.counts(f.plans.len());
+        let mut given: Vec<String> = f
+            .plans
+            .iter()
+            .zip(per_plan)
+            .filter_map(|(p, n)| Some(format!("{n} {}", override_rate(p.as_ref()?, l))))
+            .collect();
+        if exempt > 0 {
+            given.push(format!("{exempt} exempt"));
+        }
+        let n = f.table.len();
+        let _ = writeln!(
+            out,
+            "    overrides file {}: {n} key{}{}; consulted after the overrides, reloaded when it changes",
+            f.path.display(),
+            if n == 1 { "" } else { "s" },
+            if given.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", given.join(", "))
+            },
+        );
+    }
+}
+
+/// What an override gives, in words.
+fn override_rate(then: &OverrideRate, l: &LimitConfig) -> String {
+    match then {
+        OverrideRate::Exempt => "exempt (not counted)".to_owned(),
+        OverrideRate::Rate { plan, rate, burst } => {
+            let quota = match &l.calendar {
+                _ if l.algorithm == AlgorithmKind::Gcra => format!("{rate} burst {burst}"),
+                // The limit's calendar unit: 1mo, not its nominal 30d.
+                Some(c) => format!("{}/{}", rate.count, c.unit),
+                None => rate.to_string(),
+            };
+            match plan {
+                Some(p) => format!("plan {p} ({quota})"),
+                None => format!("rate {quota}"),
+            }
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use ipnet::IpNet;
 use rustls::pki_types::CertificateDer;
 use serde::{Serialize, Serializer};
 
+pub use super::overrides_file::{OverridesTable, TableEntry};
 use super::rate::DurationText;
 pub use super::rate::Rate;
 pub use super::rejection::{Piece, RejectionConfig, Template, TemplateError};
@@ -28,6 +29,16 @@ pub struct Config {
     pub server: ServerConfig,
     /// `None`: no `redis` section, so every limit is local to this instance.
     pub redis: Option<RedisConfig>,
+    /// Named rates that overrides and overrides files refer to (`plans:`), in file order.
+    #[serde(
+        serialize_with = "serialize_plans",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub plans: Vec<Plan>,
+    /// Limits defined once at the top level (`limits:`) and drawn on by every route that says
+    /// `- use: NAME`: one budget per key, whichever route a request takes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub limits: Vec<LimitConfig>,
     /// In file order: the first match wins.
     pub routes: Vec<RouteConfig>,
     /// Settings that load but do less than they seem to (a `burst` on a window algorithm, a
@@ -41,7 +52,27 @@ pub struct Config {
 /// saved from `/admin/config` load back equal.
 impl PartialEq for Config {
     fn eq(&self, other: &Self) -> bool {
-        self.server == other.server && self.redis == other.redis && self.routes == other.routes
+        self.server == other.server
+            && self.redis == other.redis
+            && self.plans == other.plans
+            && self.limits == other.limits
+            && self.routes == other.routes
+    }
+}
+
+impl Config {
+    /// The files read with the config besides it (overrides files), each once: a change to one
+    /// is a change to the config.
+    pub fn files_read(&self) -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = self
+            .limits
+            .iter()
+            .chain(self.routes.iter().flat_map(|r| &r.limits))
+            .filter_map(|l| l.overrides_file.as_ref().map(|f| f.path.clone()))
+            .collect();
+        files.sort();
+        files.dedup();
+        files
     }
 }
 
@@ -148,7 +179,7 @@ impl Default for ServerConfig {
 /// The `redis` section: where `global` limits keep their state.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RedisConfig {
-    /// `url: ..` or `cluster: [..]` right in the section, as in the YAML.
+    /// `url: ..`, `cluster: [..]` or `sentinel: {..}` right in the section, as in the YAML.
     #[serde(flatten)]
     pub target: RedisTarget,
     /// Per command: a slow Redis must not hold requests longer than this.
@@ -160,8 +191,8 @@ pub struct RedisConfig {
     pub pool_size: usize,
 }
 
-/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}` or
-/// `{"cluster": [..]}`.
+/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}`,
+/// `{"cluster": [..]}` or `{"sentinel": {"master": .., "nodes": [..]}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RedisTarget {
     /// `redis://[user:pass@]host:port[/db]`; a `redis-cluster://host:port?node=h2:p2` URL
@@ -171,6 +202,31 @@ pub enum RedisTarget {
     /// Seed nodes of a Redis Cluster (`redis://host:port` each); the rest is discovered.
     #[serde(rename = "cluster")]
     Cluster(#[serde(serialize_with = "serialize_redis_urls")] Vec<String>),
+    /// A master that Redis Sentinel names: the sentinels say which server it is, at connect
+    /// and after a failover, so a failover is followed without a restart.
+    #[serde(rename = "sentinel")]
+    Sentinel(SentinelTarget),
+}
+
+/// `redis.sentinel`: which master, asked of which sentinels, and the credentials of each side
+/// (sentinels and Redis servers are configured apart, and often authenticate apart).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SentinelTarget {
+    /// The master's name in the sentinels' configuration (`sentinel monitor NAME ...`).
+    pub master: String,
+    /// Sentinels, `redis://[user:pass@]host:port` (port 26379 when left out); the credentials
+    /// in these URLs are the sentinels' own. Every node has the same credentials and scheme.
+    #[serde(serialize_with = "serialize_redis_urls")]
+    pub nodes: Vec<String>,
+    /// ACL user on the master (and on a replica once promoted); `None`: `default`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Password on the master (and on a replica once promoted); `None`: no `AUTH`.
+    #[serde(
+        serialize_with = "serialize_secret",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub password: Option<String>,
 }
 
 /// What a `global` limit decides when Redis does not answer.
@@ -274,6 +330,153 @@ pub struct LimitConfig {
     /// `align: calendar` (fixed_window only): windows are the days, weeks or months of a zone,
     /// and `rate.period` their nominal length. `None`: windows aligned to the epoch.
     pub calendar: Option<super::CalendarWindows>,
+    /// Other rates (or none at all) for some requests' keys: the first that matches applies.
+    pub overrides: Vec<Override>,
+    /// `KEY: PLAN` / `KEY: exempt` for many keys, consulted after `overrides`.
+    pub overrides_file: Option<OverridesFile>,
+    /// Defined in the top-level `limits:` and drawn on here by `- use: NAME`: its state is
+    /// keyed without the route, so every route that uses it shares one budget per key.
+    pub shared: bool,
+}
+
+impl LimitConfig {
+    /// Whether some requests' keys may get another rate, or none (overrides, a file).
+    pub fn has_overrides(&self) -> bool {
+        !self.overrides.is_empty() || self.overrides_file.is_some()
+    }
+}
+
+/// One named rate of `plans:`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Its name in `plans:`, as overrides and overrides files refer to it.
+    pub name: String,
+    /// `rate: COUNT/PERIOD`.
+    pub rate: Rate,
+    /// gcra bucket depth; `None`: the limit's algorithm decides (gcra: the plan's COUNT).
+    pub burst: Option<u64>,
+}
+
+/// One entry of a limit's `overrides`: a condition and what a request that meets it gets.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Override {
+    /// Every condition given must hold.
+    pub when: When,
+    /// The rate that applies instead, or none.
+    #[serde(flatten)]
+    pub then: OverrideRate,
+}
+
+/// An override's condition: each list given must hold (any of its items); at least one given.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct When {
+    /// The client address (as the `ip` key part finds it) is in one of these networks.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ip: Vec<IpNet>,
+    /// The limit's key, as `/admin/limits` shows it, is one of these.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub key: Vec<String>,
+    /// Each header has exactly this value; believed only when the peer is a trusted proxy.
+    #[serde(
+        serialize_with = "serialize_header_conditions",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub header: Vec<(http::HeaderName, String)>,
+}
+
+/// What an override or an overrides-file entry gives a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OverrideRate {
+    /// The limit does not count these requests at all.
+    Exempt,
+    /// This rate and burst instead of the limit's; `plan` names it when it came from `plans:`.
+    Rate {
+        /// The plan it came from; `None` for an inline `rate:`.
+        plan: Option<String>,
+        /// The rate that applies.
+        rate: Rate,
+        /// gcra bucket depth (for the window algorithms, the rate's count).
+        burst: u64,
+    },
+}
+
+/// As the YAML writes it: `exempt: true`, `plan: NAME`, or `rate:` (with `burst:`).
+impl Serialize for OverrideRate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        match self {
+            Self::Exempt => m.serialize_entry("exempt", &true)?,
+            Self::Rate {
+                plan: Some(plan), ..
+            } => m.serialize_entry("plan", plan)?,
+            Self::Rate {
+                plan: None,
+                rate,
+                burst,
+            } => {
+                m.serialize_entry("rate", rate)?;
+                m.serialize_entry("burst", burst)?;
+            }
+        }
+        m.end()
+    }
+}
+
+/// `overrides_file`: its path and what it held when the config was loaded.
+#[derive(Clone, Debug)]
+pub struct OverridesFile {
+    /// Resolved against the config file's directory.
+    pub path: PathBuf,
+    /// The file's entries.
+    pub table: Arc<OverridesTable>,
+    /// Per plan of the config (the table's plan indexes), the rate it gives this limit; `None`
+    /// for a plan no entry names (not checked against this limit, never looked up).
+    pub plans: Vec<Option<OverrideRate>>,
+}
+
+/// Equal when they name the same file with the same entries (a reload that changed the file
+/// builds a new snapshot; one that did not keeps comparing equal).
+impl PartialEq for OverridesFile {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path
+            && self.table.fingerprint() == other.table.fingerprint()
+            && self.plans == other.plans
+    }
+}
+
+impl Serialize for OverridesFile {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        serialize_path(&self.path, s)
+    }
+}
+
+fn serialize_plans<S: Serializer>(plans: &[Plan], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    #[derive(Serialize)]
+    struct Body {
+        rate: Rate,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        burst: Option<u64>,
+    }
+    let mut m = s.serialize_map(Some(plans.len()))?;
+    for p in plans {
+        m.serialize_entry(
+            &p.name,
+            &Body {
+                rate: p.rate,
+                burst: p.burst,
+            },
+        )?;
+    }
+    m.end()
+}
+
+fn serialize_header_conditions<S: Serializer>(
+    headers: &[(http::HeaderName, String)],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_map(headers.iter().map(|(n, v)| (n.as_str(), v)))
 }
 
 /// Field by field as the YAML has them, so the output loads back as a routes.yaml; `burst`
@@ -282,6 +485,12 @@ impl Serialize for LimitConfig {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
         let gcra = self.algorithm == AlgorithmKind::Gcra;
+        if self.shared {
+            // Defined in the top-level `limits:`, which `/admin/config` shows once.
+            let mut m = s.serialize_struct("LimitConfig", 1)?;
+            m.serialize_field("use", &self.name)?;
+            return m.end();
+        }
         let mut m = s.serialize_struct("LimitConfig", 15)?;
         m.serialize_field("name", &self.name)?;
         m.serialize_field("key", &self.key)?;
@@ -312,6 +521,15 @@ impl Serialize for LimitConfig {
         } else {
             m.skip_field("align")?;
             m.skip_field("timezone")?;
+        }
+        if self.overrides.is_empty() {
+            m.skip_field("overrides")?;
+        } else {
+            m.serialize_field("overrides", &self.overrides)?;
+        }
+        match &self.overrides_file {
+            Some(f) => m.serialize_field("overrides_file", f)?,
+            None => m.skip_field("overrides_file")?,
         }
         m.end()
     }
@@ -372,7 +590,7 @@ impl Serialize for KeyPart {
 macro_rules! keyword_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
         $(#[$meta])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
         pub enum $name {
             $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
         }

@@ -12,12 +12,12 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde_saphyr::Spanned;
 
+use super::consumers::Consumers;
 use super::limit;
 use super::rate::parse_duration;
-use super::raw::{OneOrMany, RawConfig, RawMatch, RawRedis, RawRoute, RawServer, RawTls, Text};
+use super::raw::{OneOrMany, RawConfig, RawLimit, RawMatch, RawRoute, RawServer, RawTls, Text};
 use super::types::{
-    Config, ListenerTls, OnError, PathMatch, RedisConfig, RedisTarget, RouteConfig, RouteMatch,
-    ServerConfig, UpstreamCa,
+    Config, LimitConfig, ListenerTls, PathMatch, RouteConfig, RouteMatch, ServerConfig, UpstreamCa,
 };
 use super::{Invalid, Pos};
 
@@ -31,12 +31,39 @@ pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -
         .map(|s| server(s, base))
         .transpose()?
         .unwrap_or_default();
-    let redis = raw.redis.map(redis).transpose()?;
+    let redis = raw.redis.map(super::redis_section::redis).transpose()?;
+    let plans = super::consumers::plans(raw.plans)?;
+    let mut consumers = Consumers {
+        plans: &plans,
+        trusted_proxies: !server.trusted_proxies.is_empty(),
+        base,
+        files: HashMap::new(),
+    };
+    let mut shared = Vec::new();
+    let mut seen_shared = HashMap::new();
+    for raw_limit in raw.limits.unwrap_or_default() {
+        shared.push(limit::limit(
+            raw_limit,
+            redis.is_some(),
+            "",
+            &mut seen_shared,
+            &mut consumers,
+            warnings,
+        )?);
+    }
     let mut routes = Vec::new();
     let mut seen = HashMap::new();
     for raw_route in raw.routes.unwrap_or_default() {
-        routes.push(route(raw_route, redis.is_some(), &mut seen, warnings)?);
+        routes.push(route(
+            raw_route,
+            redis.is_some(),
+            &shared,
+            &mut seen,
+            &mut consumers,
+            warnings,
+        )?);
     }
+    drop(consumers);
     if routes.is_empty() {
         warnings.push(Invalid::new(
             Pos { line: 1, column: 1 },
@@ -46,6 +73,8 @@ pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -
     Ok(Config {
         server,
         redis,
+        plans,
+        limits: shared,
         routes,
         warnings: Vec::new(),
     })
@@ -203,7 +232,7 @@ pub fn listen_addr(text: &str, listener: Listener) -> Option<SocketAddr> {
 }
 
 /// A bare address is a one-host network: `10.0.0.7` is `10.0.0.7/32`.
-fn trusted_proxy(t: &Text) -> Checked<IpNet> {
+pub(super) fn trusted_proxy(t: &Text) -> Checked<IpNet> {
     let s = t.value.trim();
     s.parse::<IpNet>()
         .map(|net| net.trunc())
@@ -234,61 +263,9 @@ fn admin_token(t: &Text) -> Checked<String> {
     Ok(t.value.clone())
 }
 
-fn redis(raw: Spanned<RawRedis>) -> Checked<RedisConfig> {
-    let redis_at = at(&raw);
-    let raw = raw.value;
-    let target = match (raw.url, raw.cluster) {
-        (Some(url), None) => RedisTarget::Single(redis_url(&url)?),
-        (None, Some(list)) => {
-            let list_at = at(&list);
-            let nodes = items(list);
-            if nodes.is_empty() {
-                return Err(Invalid::new(
-                    list_at,
-                    "cluster lists no node: give at least one redis://HOST:PORT",
-                ));
-            }
-            RedisTarget::Cluster(nodes.iter().map(redis_url).collect::<Checked<_>>()?)
-        }
-        (Some(_), Some(list)) => {
-            return Err(Invalid::new(
-                at(&list),
-                "redis has both `url` and `cluster`: set `url` for one server or `cluster` for a Redis Cluster, not both",
-            ));
-        }
-        (None, None) => {
-            return Err(Invalid::new(
-                redis_at,
-                "redis needs `url: redis://HOST:PORT` or `cluster: [redis://HOST:PORT, ...]`; remove the section to keep every limit local",
-            ));
-        }
-    };
-    let on_error = match &raw.on_error {
-        Some(t) => keyword(
-            t,
-            "on_error",
-            &[("allow", OnError::Allow), ("deny", OnError::Deny)],
-        )?,
-        None => OnError::Allow,
-    };
-    let pool_size = match raw.pool_size {
-        Some(n) if n.value == 0 => {
-            return Err(Invalid::new(at(&n), "pool_size must be at least 1"));
-        }
-        Some(n) => usize_of(&n)?,
-        None => 2,
-    };
-    Ok(RedisConfig {
-        target,
-        timeout: positive_duration_or(raw.timeout.as_ref(), "timeout", Duration::from_millis(50))?,
-        on_error,
-        pool_size,
-    })
-}
-
 /// `/admin/config` shows secrets as a placeholder; a file saved from it must not load with the
 /// placeholder as the secret (a token everyone knows, a Redis user named after it).
-fn redacted(t: &Text) -> Invalid {
+pub(super) fn redacted(t: &Text) -> Invalid {
     Invalid::new(
         at(t),
         format!(
@@ -298,41 +275,12 @@ fn redacted(t: &Text) -> Invalid {
     )
 }
 
-fn redis_url(t: &Text) -> Checked<String> {
-    if t.value.contains(super::types::REDACTED) {
-        return Err(redacted(t));
-    }
-    let url = t.value.trim();
-    let host = url
-        .strip_prefix("redis://")
-        .or_else(|| url.strip_prefix("rediss://"));
-    let Some(rest) = host else {
-        return Err(Invalid::new(
-            at(t),
-            format!("redis URL `{url}` must start with redis:// or rediss:// (TLS)"),
-        ));
-    };
-    let authority = rest.split(['/', '?']).next().unwrap_or("");
-    let host_port = authority.rsplit('@').next().unwrap_or("");
-    if host_port.is_empty() || host_port.starts_with(':') {
-        return Err(Invalid::new(
-            at(t),
-            format!("redis URL `{url}` has no host: write redis://HOST:PORT"),
-        ));
-    }
-    if let Err(why) = super::redis::parse_url(url) {
-        return Err(Invalid::new(
-            at(t),
-            format!("redis URL `{url}` does not parse: {why}"),
-        ));
-    }
-    Ok(url.to_owned())
-}
-
 fn route(
     raw: Spanned<RawRoute>,
     has_redis: bool,
+    shared: &[LimitConfig],
     seen: &mut HashMap<String, u64>,
+    consumers: &mut Consumers<'_>,
     warnings: &mut Vec<Invalid>,
 ) -> Checked<RouteConfig> {
     let route_at = at(&raw);
@@ -368,11 +316,16 @@ fn route(
     let mut limits = Vec::new();
     let mut seen_limits = HashMap::new();
     for raw_limit in raw.limits.unwrap_or_default() {
+        if let Some(u) = raw_limit.value.use_.clone() {
+            limits.push(use_shared(raw_limit, &u, shared, &name, &mut seen_limits)?);
+            continue;
+        }
         limits.push(limit::limit(
             raw_limit,
             has_redis,
             &name,
             &mut seen_limits,
+            consumers,
             warnings,
         )?);
     }
@@ -389,6 +342,68 @@ fn route(
             .map(|r| super::rejection::rejection(r, warnings))
             .transpose()?,
     })
+}
+
+/// `- use: NAME`: the top-level limit of that name, drawn on by this route. Alone in its entry:
+/// a route that wants another rate defines a limit of its own.
+fn use_shared(
+    raw: Spanned<RawLimit>,
+    u: &Text,
+    shared: &[LimitConfig],
+    route: &str,
+    seen: &mut HashMap<String, u64>,
+) -> Checked<LimitConfig> {
+    let r = &raw.value;
+    let others = [
+        r.name.as_ref().map(|_| "name"),
+        r.key.as_ref().map(|_| "key"),
+        r.on_missing.as_ref().map(|_| "on_missing"),
+        r.algorithm.as_ref().map(|_| "algorithm"),
+        r.rate.as_ref().map(|_| "rate"),
+        r.burst.as_ref().map(|_| "burst"),
+        r.scope.as_ref().map(|_| "scope"),
+        r.cost.as_ref().map(|_| "cost"),
+        r.on_limit.as_ref().map(|_| "on_limit"),
+        r.max_delay.as_ref().map(|_| "max_delay"),
+        r.shadow.as_ref().map(|_| "shadow"),
+        r.consistency.as_ref().map(|_| "consistency"),
+        r.sync_interval.as_ref().map(|_| "sync_interval"),
+        r.overrides.as_ref().map(|_| "overrides"),
+        r.overrides_file.as_ref().map(|_| "overrides_file"),
+    ];
+    if let Some(field) = others.into_iter().flatten().next() {
+        return Err(Invalid::new(
+            at(&raw),
+            format!(
+                "`use: {}` takes no other field (this entry also has `{field}`): the shared limit is defined once in the top-level `limits:`",
+                u.value
+            ),
+        ));
+    }
+    let wanted = u.value.trim();
+    let Some(def) = shared.iter().find(|l| l.name == wanted) else {
+        let known = if shared.is_empty() {
+            "the config has no top-level `limits:`".to_owned()
+        } else {
+            format!(
+                "top-level limits: {}",
+                shared
+                    .iter()
+                    .map(|l| l.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        return Err(Invalid::new(
+            at(u),
+            format!("`{wanted}` is not a top-level limit ({known})"),
+        ));
+    };
+    let name_text = Spanned::new(def.name.clone(), u.referenced, u.defined);
+    name(Some(name_text), at(u), seen, Some(route))?;
+    let mut limit = def.clone();
+    limit.shared = true;
+    Ok(limit)
 }
 
 fn route_match(raw: RawMatch) -> Checked<RouteMatch> {
@@ -582,6 +597,7 @@ pub(super) fn name(
     let name_at = at(&t);
     if let Some(first) = seen.insert(t.value.clone(), name_at.line) {
         let (within, unique) = match route {
+            Some("") => (" in the top-level `limits`".to_owned(), ""),
             Some(route) => (format!(" in route `{route}`"), " within a route"),
             None => (String::new(), ""),
         };
@@ -635,7 +651,7 @@ pub(super) fn positive_duration_or(
     }
 }
 
-fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
+pub(super) fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
     usize::try_from(n.value).map_err(|_| Invalid::new(at(n), format!("{} is too large", n.value)))
 }
 

@@ -7,6 +7,10 @@
 //! steps, truncate then write, or create, write and rename, is read once it is done, not in
 //! between), then compares the file's bytes with the last ones it saw, so only a real change is
 //! reloaded (and a bad file is reported once, not per event).
+//!
+//! The files the config names that are read with it (overrides files) are watched the same way:
+//! a change to one reloads the whole config, which reads it again. Their bytes are compared by
+//! hash, not kept: a million-entry table is tens of megabytes.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,13 +27,31 @@ const SETTLE_AT_MOST: Duration = Duration::from_secs(2);
 
 /// A handle that keeps the OS watch alive; drop it to stop watching.
 pub struct ConfigWatch {
-    _watcher: notify::RecommendedWatcher,
+    watcher: notify::RecommendedWatcher,
     changed: Arc<tokio::sync::Notify>,
     path: PathBuf,
     last: Option<Vec<u8>>,
     /// The file could not be read at the last look (and that was logged): logged once per
     /// absence, not per event.
     unreadable: bool,
+    /// Files the config reads with it, each with the hash of its bytes at the last look
+    /// (`None`: unreadable then).
+    others: Vec<(PathBuf, Option<u64>)>,
+    /// Directories watched (the config file's first).
+    dirs: Vec<PathBuf>,
+}
+
+fn dir_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn hash_of(path: &Path) -> Option<u64> {
+    use std::hash::BuildHasher;
+    let bytes = std::fs::read(path).ok()?;
+    Some(foldhash::fast::FixedState::with_seed(0).hash_one(&bytes))
 }
 
 impl ConfigWatch {
@@ -46,21 +68,57 @@ impl ConfigWatch {
                     n.notify_one();
                 }
             })?;
-        let dir = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
+        let dir = dir_of(path);
         watcher.watch(&dir, RecursiveMode::NonRecursive)?;
         Ok(Self {
-            _watcher: watcher,
+            watcher,
             changed,
             path: path.to_path_buf(),
             last: std::fs::read(path).ok(),
             unreadable: false,
+            others: Vec::new(),
+            dirs: vec![dir],
         })
     }
 
-    /// Resolves when the file's contents differ from the last seen ones.
+    /// Watches `files` too (the running config's overrides files), from their contents now;
+    /// the ones no longer named are dropped. Cheap when the list is the same as before.
+    pub fn also_watch(&mut self, files: &[PathBuf]) {
+        if self.others.len() == files.len() && self.others.iter().zip(files).all(|(o, f)| &o.0 == f)
+        {
+            return;
+        }
+        self.others = files.iter().map(|f| (f.clone(), hash_of(f))).collect();
+        for f in files {
+            let dir = dir_of(f);
+            if self.dirs.contains(&dir) {
+                continue;
+            }
+            match self.watcher.watch(&dir, RecursiveMode::NonRecursive) {
+                Ok(()) => self.dirs.push(dir),
+                Err(e) => tracing::warn!(
+                    path = %f.display(),
+                    error = %e,
+                    "cannot watch a file the config reads; reload with SIGHUP or POST /admin/reload after changing it"
+                ),
+            }
+        }
+    }
+
+    /// Whether a file the config reads differs from the last look (and remembers it now).
+    fn others_changed(&mut self) -> bool {
+        let mut changed = false;
+        for (path, last) in &mut self.others {
+            let now = hash_of(path);
+            if now != *last {
+                *last = now;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Resolves when the file's contents (or a file's it reads) differ from the last seen ones.
     pub async fn changed(&mut self) {
         loop {
             self.changed.notified().await;
@@ -90,8 +148,12 @@ impl ConfigWatch {
                 }
             };
             self.unreadable = false;
+            let others = self.others_changed();
             if self.last.as_deref() != Some(&now[..]) {
                 self.last = Some(now);
+                return;
+            }
+            if others {
                 return;
             }
         }

@@ -9,6 +9,12 @@ fn trusted(ip: IpAddr, nets: &[IpNet]) -> bool {
     nets.iter().any(|n| n.contains(&ip))
 }
 
+/// Whether `peer` (the socket's) is a trusted proxy, whose headers are believed.
+#[inline]
+pub fn peer_trusted(peer: IpAddr, trusted_proxies: &[IpNet]) -> bool {
+    !trusted_proxies.is_empty() && trusted(peer.to_canonical(), trusted_proxies)
+}
+
 /// The address a request is keyed by. `peer` is the socket peer.
 ///
 /// Only when `peer` is trusted are `X-Forwarded-For` entries (or, without that header,

@@ -19,14 +19,13 @@ pub mod client_ip;
 use std::net::IpAddr;
 
 use http::{HeaderMap, Method, Uri};
-use sha2::{Digest, Sha256};
 
 use crate::config::{KeyPart, OnMissing};
 
 pub use client_ip::client_ip;
 
-/// Longest part value kept verbatim; longer ones are hashed.
-pub const MAX_PART_LEN: usize = 64;
+use crate::keytext::push_escaped;
+pub use crate::keytext::{KeyBuf, MAX_PART_LEN, from_admin};
 
 /// What the key of one limit is made of, compiled from the config.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,6 +52,9 @@ pub struct RequestParts<'a> {
     pub client_ip_text: Option<&'a [u8]>,
     /// The matched route's name, for `route` parts.
     pub route: &'a str,
+    /// The socket peer is in `server.trusted_proxies`: its headers may name a plan (an
+    /// override's `when.header`); anyone else's never do.
+    pub peer_trusted: bool,
 }
 
 /// Result of building one limit's key.
@@ -70,9 +72,6 @@ pub enum KeyOutcome {
     /// another. The request is refused (400) whatever `on_missing` says.
     Ambiguous(String),
 }
-
-/// A request's keys, built on the stack: one or two limits' keys fit without an allocation.
-pub type KeyBuf = smallvec::SmallVec<[u8; 128]>;
 
 impl KeySpec {
     /// Appends this limit's key for `req` to `out`. On `Skip`/`Reject` `out` is left as it was.
@@ -379,66 +378,6 @@ fn form_decoded(raw: &[u8]) -> impl Iterator<Item = u8> + '_ {
     })
 }
 
-/// A key as an operator types it into the admin API's `?key=`, in the form the gateway stores
-/// it. Each `|`-separated part is taken as already stored when it could be (printable ASCII
-/// without braces, and not over [`MAX_PART_LEN`] unless it holds an escape); otherwise it is a
-/// raw value (`alice smith`, a long API key) and is escaped or hashed as a request's would be.
-/// Only a raw value that contains `%` or `|` must be given in its stored form.
-pub fn from_admin(given: &str) -> Vec<u8> {
-    // `on_missing: ip`'s fallback key, whose space is its own (values have theirs escaped).
-    if given
-        .strip_prefix("ip ")
-        .is_some_and(|ip| ip.parse::<IpAddr>().is_ok())
-    {
-        return given.as_bytes().to_vec();
-    }
-    let mut out = KeyBuf::new();
-    for (i, part) in given.as_bytes().split(|&b| b == b'|').enumerate() {
-        if i > 0 {
-            out.push(b'|');
-        }
-        let stored_form = part
-            .iter()
-            .all(|&b| matches!(b, 0x21..=0x7e) && b != b'{' && b != b'}')
-            && (part.len() <= MAX_PART_LEN || part.contains(&b'%'));
-        if stored_form {
-            out.extend_from_slice(part);
-        } else {
-            push_escaped(&mut out, part);
-        }
-    }
-    out.into_vec()
-}
-
-fn push_escaped(out: &mut KeyBuf, value: &[u8]) {
-    if value.len() > MAX_PART_LEN {
-        let digest = Sha256::digest(value);
-        out.push(b'~');
-        for b in &digest[..16] {
-            out.extend_from_slice(&hex_byte(*b));
-        }
-        return;
-    }
-    for &b in value {
-        match b {
-            b'%' | b'|' | b'{' | b'}' => push_pct(out, b),
-            // Keys stay printable ASCII (Redis keys, logs, the admin API's `?key=`).
-            0x21..=0x7e => out.push(b),
-            _ => push_pct(out, b),
-        }
-    }
-}
-
-fn push_pct(out: &mut KeyBuf, b: u8) {
-    out.push(b'%');
-    out.extend_from_slice(&hex_byte(b).map(|c| c.to_ascii_uppercase()));
-}
-
-fn hex_byte(b: u8) -> [u8; 2] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    [HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
@@ -548,6 +487,7 @@ mod tests {
             client_ip: "10.1.2.3".parse().unwrap(),
             client_ip_text: None,
             route: "users",
+            peer_trusted: false,
         }
     }
 

@@ -193,9 +193,12 @@ impl LimitSet {
             _leads: SmallVec::new(),
             sent: cx.now,
         };
-        for &(i, s, e) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
+        for &(i, s, e, r) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
             let l = &self.limits[i];
-            match self.probe_key(l, &keys[s..e], cx, &mut probed.sent).await {
+            match self
+                .probe_key(l, &keys[s..e], l.rate(r).id, cx, &mut probed.sent)
+                .await
+            {
                 Tier::Known(r) if !l.shadow => {
                     self.tiers.in_process.inc();
                     self.tiers.in_process_duration.observe(started.elapsed());
@@ -203,7 +206,7 @@ impl LimitSet {
                 }
                 Tier::Known(r) => results.push((i, Err(r))),
                 Tier::Ask(lead) => {
-                    probed.to_store.push((i, s, e));
+                    probed.to_store.push((i, s, e, r));
                     probed._leads.extend(lead);
                 }
             }
@@ -220,6 +223,7 @@ impl LimitSet {
         &self,
         l: &'s Limit,
         key: &[u8],
+        rate: u32,
         cx: &Context<'_, G>,
         now: &mut Micros,
     ) -> Tier<'s> {
@@ -230,14 +234,14 @@ impl LimitSet {
         loop {
             if let Some(r) = l
                 .deny_cache
-                .check(key, *now, l.delay_allowed(cx.allow_delay))
+                .check(key, *now, l.delay_allowed(cx.allow_delay), rate)
             {
                 return Tier::Known(r);
             }
             if *now >= deadline {
                 return Tier::Ask(None);
             }
-            match l.deny_cache.begin(key, *now) {
+            match l.deny_cache.begin(key, *now, rate) {
                 Probe::Free => return Tier::Ask(None),
                 Probe::Lead(guard) => return Tier::Ask(Some(guard)),
                 Probe::Follow => {
@@ -288,15 +292,15 @@ impl LimitSet {
     ) -> Result<Decision, RedisError> {
         let redis_keys: SmallVec<[String; 4]> = to_store
             .iter()
-            .map(|&(i, s, e)| self.limits[i].redis_key(&keys[s..e]))
+            .map(|&(i, s, e, _)| self.limits[i].redis_key(&keys[s..e]))
             .collect();
         let limits: SmallVec<[GlobalLimit<'_>; 4]> = to_store
             .iter()
             .zip(&redis_keys)
-            .map(|(&(i, _, _), key)| {
+            .map(|(&(i, _, _, r), key)| {
                 let l = &self.limits[i];
                 GlobalLimit {
-                    algorithm: &l.algorithm,
+                    algorithm: &l.rate(r).algorithm,
                     key,
                     cost: l.cost,
                     max_delay: l.delay_allowed(cx.allow_delay),
@@ -332,22 +336,29 @@ impl LimitSet {
         results: &mut Results,
     ) {
         let charged = decision.admitted;
-        for (&(i, s, e), v) in probed.to_store.iter().zip(decision.per_limit) {
+        for (&(i, s, e, r), v) in probed.to_store.iter().zip(decision.per_limit) {
             let l = &self.limits[i];
+            let rate = l.rate(r);
             let (key, max_delay) = (&keys[s..e], l.delay_allowed(cx.allow_delay));
             let v = match v {
                 LimitVerdict::Admitted { snapshot, delay } => {
                     if self.tier_enabled && charged {
-                        let cost = l.cost;
-                        let alg = &l.algorithm;
-                        l.deny_cache
-                            .admitted(key, probed.sent, alg, cost, &snapshot, max_delay);
+                        let applied = (&rate.algorithm, rate.id);
+                        l.deny_cache.admitted(
+                            key,
+                            probed.sent,
+                            applied,
+                            l.cost,
+                            &snapshot,
+                            max_delay,
+                        );
                     }
                     Ok((snapshot, delay))
                 }
                 LimitVerdict::Rejected(r) => {
                     if self.tier_enabled {
-                        l.deny_cache.rejected(key, probed.sent, &r, max_delay);
+                        l.deny_cache
+                            .rejected(key, probed.sent, &r, max_delay, rate.id);
                     }
                     Err(r)
                 }
@@ -380,7 +391,7 @@ impl LimitSet {
         let asked = |l: &Limit| to_store.iter().any(|s| std::ptr::eq(&self.limits[s.0], l));
         let in_fallback = |l: &Limit| l.is_local() || asked(l);
         self.commit_in_process(keys, spans, cx, in_fallback, &mut results);
-        for &(i, _, _) in to_store {
+        for &(i, ..) in to_store {
             self.limits[i].metrics.fallback.inc();
         }
         self.conclude(&results)

@@ -29,6 +29,7 @@ pub mod clock;
 pub mod eventual;
 mod global;
 pub mod local;
+pub mod overrides;
 pub mod redis;
 #[cfg(test)]
 mod tests;
@@ -37,21 +38,19 @@ pub mod top;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderValue;
 use smallvec::SmallVec;
 
 use prometheus_client::metrics::counter::Counter;
 
-use crate::config::{AlgorithmKind, Consistency, LimitConfig, OnError, OnLimit, Scope};
+use crate::config::{Consistency, LimitConfig, OnError, OnLimit, Scope};
 use crate::key::{KeyOutcome, KeySpec, RequestParts};
 use crate::metrics::{Histogram, LimitMetrics, Metrics};
-use algorithm::{
-    Algorithm, FixedWindow, Gcra, Micros, Quota, Rejection, SlidingLog, SlidingWindow, Snapshot,
-};
+use algorithm::{Algorithm, Micros, Rejection, Snapshot};
 use eventual::EventualStore;
 pub use global::GlobalStore;
 use local::deny::DenyCache;
 use local::{LocalCheck, LocalStore, LocalVerdict};
+pub use overrides::{Applied, LimitRate, Overrides};
 use redis::{RedisError, RedisStore};
 use top::TopKeys;
 
@@ -88,8 +87,11 @@ pub struct Limit {
     pub redis_prefix: String,
     /// This limit's decision counters, labelled with its route.
     pub metrics: LimitMetrics,
-    /// The `RateLimit-Policy` item, formatted once: `"name";q=100;w=60`.
-    pub policy: HeaderValue,
+    /// The rates a key can be decided under: the limit's own first (`rates[0]`, whose
+    /// algorithm is `algorithm`), then one per distinct rate its overrides give.
+    pub rates: Vec<LimitRate>,
+    /// `overrides` and `overrides_file`, compiled; `None` without either.
+    pub overrides: Option<Box<Overrides>>,
     /// The keys this limit rejected most in the last minute (the admin API's `top`); carried
     /// over reloads with the stores.
     pub top: Arc<TopKeys>,
@@ -140,13 +142,8 @@ impl Limit {
         eventual: Option<Arc<EventualStore>>,
         metrics: LimitMetrics,
     ) -> Self {
-        let algorithm = algorithm_for(config);
-        let window = policy_window(config.rate.period);
-        let policy = HeaderValue::from_str(&format!(
-            "\"{}\";q={};w={}",
-            config.name, config.rate.count, window
-        ))
-        .unwrap_or_else(|_| HeaderValue::from_static("\"limit\""));
+        let (rates, overrides) = overrides::compile(config);
+        let algorithm = rates[0].algorithm.clone();
         Self {
             name: config.name.as_str().into(),
             config: config.clone(),
@@ -169,9 +166,10 @@ impl Limit {
                 _ => None,
             },
             sync_interval: micros(config.sync_interval),
-            redis_prefix: format!("tg:{{{route}/{}/", config.name),
+            redis_prefix: redis_prefix(route, config),
             metrics,
-            policy,
+            rates,
+            overrides: overrides.map(Box::new),
             top: Arc::default(),
         }
     }
@@ -266,6 +264,21 @@ impl Limit {
         k.push_str(std::str::from_utf8(key).unwrap_or("~invalid"));
         k.push('}');
         k
+    }
+
+    /// The rate at `i` of [`Limit::rates`] (what an [`Applied::Rate`] names), the limit's own
+    /// for an index it does not have.
+    #[inline]
+    pub fn rate(&self, i: u16) -> &LimitRate {
+        self.rates.get(usize::from(i)).unwrap_or(&self.rates[0])
+    }
+
+    /// The rate `key` gets by its key alone, for the admin API (an override on the client's
+    /// address or a header needs a request, and is not seen here).
+    pub fn rate_for_key(&self, key: &[u8]) -> Applied {
+        self.overrides
+            .as_ref()
+            .map_or(Applied::Rate(0), |o| o.for_key(key))
     }
 
     /// Decided by the local store alone (`scope: local`).
@@ -395,38 +408,20 @@ fn policy_window_rounds_up_to_whole_seconds() {
     assert_eq!((w(500), w(1000), w(1500), w(60_000)), (1, 1, 2, 60));
 }
 
-/// `d` in microseconds, saturating at `u64::MAX`.
-pub fn micros(d: Duration) -> Micros {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// The pure algorithm a limit config asks for.
-pub fn algorithm_for(config: &LimitConfig) -> Algorithm {
-    let quota = Quota {
-        count: config.rate.count,
-        period: config.rate.period_micros().max(1),
-        burst: config.burst,
-    };
-    match config.algorithm {
-        AlgorithmKind::Gcra => Algorithm::Gcra(Gcra::new(quota)),
-        AlgorithmKind::FixedWindow => Algorithm::FixedWindow(match &config.calendar {
-            None => FixedWindow::new(quota),
-            Some(c) => FixedWindow::calendar(quota, calendar_windows(c)),
-        }),
-        AlgorithmKind::SlidingWindow => Algorithm::SlidingWindow(SlidingWindow::new(quota)),
-        AlgorithmKind::SlidingLog => Algorithm::SlidingLog(SlidingLog::new(quota)),
+/// The start of every Redis key of a limit: `tg:{ROUTE/LIMIT/`, or `tg:{@LIMIT/` for a shared
+/// limit (`- use:`), whose state is the same whichever route draws on it. `@` is outside the
+/// alphabet of route names, so the two forms never meet.
+fn redis_prefix(route: &str, config: &LimitConfig) -> String {
+    if config.shared {
+        format!("tg:{{@{}/", config.name)
+    } else {
+        format!("tg:{{{route}/{}/", config.name)
     }
 }
 
-/// The window function of `align: calendar`.
-fn calendar_windows(c: &crate::config::CalendarWindows) -> algorithm::Calendar {
-    use crate::config::CalendarUnit;
-    let unit = match c.unit {
-        CalendarUnit::Day => algorithm::calendar::Unit::Day,
-        CalendarUnit::Week => algorithm::calendar::Unit::Week,
-        CalendarUnit::Month => algorithm::calendar::Unit::Month,
-    };
-    algorithm::Calendar::new(unit, c.timezone.clone())
+/// `d` in microseconds, saturating at `u64::MAX`.
+pub fn micros(d: Duration) -> Micros {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// What the `RateLimit` fields report: one limit's state.
@@ -434,6 +429,8 @@ fn calendar_windows(c: &crate::config::CalendarWindows) -> algorithm::Calendar {
 pub struct HeaderInfo {
     /// Index of the limit in the route's limits.
     pub limit: usize,
+    /// Which of the limit's rates applied (an index into [`Limit::rates`]; 0: its own).
+    pub rate: u16,
     /// Units left (`r` of the `RateLimit` field).
     pub remaining: u64,
     /// Time until the limit is full again; `t` of the `RateLimit` field, sent in whole seconds
@@ -459,6 +456,8 @@ pub enum Verdict {
         /// Index of the rejecting limit in the route's limits (of several, the one with the
         /// longest `retry_after`).
         limit: usize,
+        /// Which of its rates applied (an index into [`Limit::rates`]; 0: its own).
+        rate: u16,
         /// Its answer, which the headers and the body report.
         rejection: Rejection,
     },
@@ -575,10 +574,14 @@ pub struct LimitSet {
     pub reads_headers: bool,
     /// Some limit is `eventual`: without one, a local decision skips holding eventual keys.
     has_eventual: bool,
+    /// Some limit has overrides: without one, every key is decided under its limit's own rate
+    /// and the verdict needs no rate looked up.
+    has_overrides: bool,
 }
 
-/// One applicable limit of this request: its index and its key's span in the key buffer.
-type Span = (usize, usize, usize);
+/// One applicable limit of this request: its index, its key's span in the key buffer, and
+/// the rate its key gets (an index into [`Limit::rates`]).
+type Span = (usize, usize, usize, u16);
 
 impl LimitSet {
     /// `cluster`: global limits live on a Redis Cluster.
@@ -591,8 +594,10 @@ impl LimitSet {
                 .parts
                 .iter()
                 .any(|p| matches!(p, crate::config::KeyPart::Header(_)))
+                || l.overrides.as_ref().is_some_and(|o| o.reads_headers)
         });
         Self {
+            has_overrides: limits.iter().any(|l| l.overrides.is_some()),
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
             has_eventual,
@@ -626,7 +631,17 @@ impl LimitSet {
         for (i, limit) in self.limits.iter().enumerate() {
             let start = keys.len();
             match limit.key.build(req, &mut keys) {
-                KeyOutcome::Built => spans.push((i, start, keys.len())),
+                KeyOutcome::Built => match &limit.overrides {
+                    None => spans.push((i, start, keys.len(), 0)),
+                    Some(o) => match o.resolve(req, &keys[start..]) {
+                        Applied::Rate(r) => spans.push((i, start, keys.len(), r)),
+                        // Not counted by this limit at all, and never in its headers.
+                        Applied::Exempt => {
+                            limit.metrics.exempt.inc();
+                            keys.truncate(start);
+                        }
+                    },
+                },
                 KeyOutcome::Skip => {}
                 // A shadow limit never rejects: it counts what it would have done and does
                 // not apply, as with `on_missing: skip`.
@@ -651,7 +666,7 @@ impl LimitSet {
         }
         if let Some(redis) = cx.redis {
             // Boxed like the Redis path: only a key's first request on this instance gets here.
-            let new = |&&(i, s, e): &&Span| {
+            let new = |&&(i, s, e, _): &&Span| {
                 let l = &self.limits[i];
                 l.eventual
                     .as_ref()
@@ -665,12 +680,28 @@ impl LimitSet {
                     ..*cx
                 };
                 let verdict = self.decide(&keys, &spans, &after, started).await;
-                self.record_rejection(&verdict, &keys, &spans, after.now);
-                return verdict;
+                return self.finish(verdict, &keys, &spans, after.now);
             }
         }
         let verdict = self.decide(&keys, &spans, cx, started).await;
-        self.record_rejection(&verdict, &keys, &spans, cx.now);
+        self.finish(verdict, &keys, &spans, cx.now)
+    }
+
+    /// The verdict as the request gets it: the rate each reported limit's key got (decided
+    /// per span, reported per limit), and a 429's key recorded for `top`.
+    #[inline]
+    fn finish(&self, mut verdict: Verdict, keys: &[u8], spans: &[Span], now: Micros) -> Verdict {
+        if self.has_overrides {
+            let rate_of = |limit: usize| spans.iter().find(|sp| sp.0 == limit).map_or(0, |sp| sp.3);
+            match &mut verdict {
+                Verdict::Reject { limit, rate, .. } => *rate = rate_of(*limit),
+                Verdict::Admit {
+                    info: Some(info), ..
+                } => info.rate = rate_of(info.limit),
+                _ => {}
+            }
+        }
+        self.record_rejection(&verdict, keys, spans, now);
         verdict
     }
 
@@ -680,7 +711,7 @@ impl LimitSet {
     #[inline]
     fn record_rejection(&self, verdict: &Verdict, keys: &[u8], spans: &[Span], now: Micros) {
         if let Verdict::Reject { limit, .. } = *verdict
-            && let Some(&(_, s, e)) = spans.iter().find(|sp| sp.0 == limit)
+            && let Some(&(_, s, e, _)) = spans.iter().find(|sp| sp.0 == limit)
         {
             self.limits[limit].top.record(&keys[s..e], now);
         }
@@ -714,7 +745,7 @@ impl LimitSet {
             return self.conclude_each(self.local_indexes(spans).zip(verdicts.iter()));
         }
         // A request whose only limit is an eventual one: checked and charged at once.
-        if let [(i, s, e)] = *spans
+        if let [(i, s, e, _)] = *spans
             && let Some(ev) = &self.limits[i].eventual
         {
             let l = &self.limits[i];
@@ -760,7 +791,7 @@ impl LimitSet {
         let wait = micros(cx.probe_wait);
         let mut leads: SmallVec<[_; 2]> = SmallVec::new();
         let mut follows: SmallVec<[_; 2]> = SmallVec::new();
-        for &(i, s, e) in spans.iter().filter(new) {
+        for &(i, s, e, _) in spans.iter().filter(new) {
             let l = &self.limits[i];
             let Some(ev) = &l.eventual else { continue };
             match ev.begin_learn(&l.algorithm, &keys[s..e], cx.now, wait, l.fresh_for(cx)) {
@@ -798,7 +829,7 @@ impl LimitSet {
         }
         let mut order: SmallVec<[(usize, &EventualStore, &'k [u8]); 2]> = spans
             .iter()
-            .filter_map(|&(i, s, e)| Some((i, self.limits[i].eventual.as_deref()?, &keys[s..e])))
+            .filter_map(|&(i, s, e, _)| Some((i, self.limits[i].eventual.as_deref()?, &keys[s..e])))
             .collect();
         order.sort_unstable_by_key(|(_, ev, _)| std::ptr::from_ref(*ev) as usize);
         let mut held: SmallVec<[(usize, eventual::Held<'k>); 2]> = order
@@ -832,7 +863,7 @@ impl LimitSet {
     fn check_eventual<G>(&self, keys: &[u8], spans: &[Span], cx: &Context<'_, G>) -> Results {
         spans
             .iter()
-            .filter_map(|&(i, s, e)| {
+            .filter_map(|&(i, s, e, _)| {
                 let l = &self.limits[i];
                 let mut held = l.eventual.as_ref()?.hold(&l.algorithm, &keys[s..e], cx.now);
                 let v = held.check(&l.algorithm, l.cost);
@@ -901,11 +932,11 @@ impl LimitSet {
         spans
             .iter()
             .filter(|s| pick(&self.limits[s.0]))
-            .map(|&(i, s, e)| {
+            .map(|&(i, s, e, r)| {
                 let l = &self.limits[i];
                 LocalCheck {
                     store: &l.store,
-                    algorithm: &l.algorithm,
+                    algorithm: &l.rate(r).algorithm,
                     key: &keys[s..e],
                     cost: l.cost,
                     max_delay: l.delay_allowed(cx.allow_delay),
@@ -954,7 +985,11 @@ impl LimitSet {
                     Ok(_) => {}
                 }
             }
-            return Verdict::Reject { limit, rejection };
+            return Verdict::Reject {
+                limit,
+                rate: 0,
+                rejection,
+            };
         }
         let mut delay: Micros = 0;
         let mut delayed_by = None;
@@ -1009,6 +1044,7 @@ type Results = SmallVec<[(usize, LocalVerdict); 4]>;
 fn header_info(limit: usize, s: &Snapshot) -> HeaderInfo {
     HeaderInfo {
         limit,
+        rate: 0,
         remaining: s.remaining,
         reset_after: s.reset_after,
     }

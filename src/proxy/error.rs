@@ -45,6 +45,8 @@ pub(crate) enum ProxyError {
     Limited {
         /// Index into the route's limits.
         limit: usize,
+        /// Which of the limit's rates the key was decided under (its `RateLimit-Policy`).
+        rate: u16,
         /// The algorithm's answer: when to come back.
         rejection: Rejection,
     },
@@ -157,15 +159,20 @@ pub(crate) fn rescue(
             });
             StatusCode::NOT_FOUND
         }
-        ProxyError::Limited { limit, rejection } => {
+        ProxyError::Limited {
+            limit,
+            rate,
+            rejection,
+        } => {
             // A limit is a route's: there is always one here.
             let route = route?;
+            let limit = &route.limits.limits[*limit];
             match &route.rejection {
                 None => {
-                    too_many_requests(out, route, *limit, rejection);
+                    too_many_requests(out, route, (limit, *rate), rejection);
                     StatusCode::TOO_MANY_REQUESTS
                 }
-                Some(custom) => custom_rejection(out, route, custom, *limit, rejection),
+                Some(custom) => custom_rejection(out, route, custom, (limit, *rate), rejection),
             }
         }
         ProxyError::MissingKey { limit, part } => {
@@ -223,11 +230,15 @@ pub(crate) fn rescue(
 /// only the `RateLimit` field needs. Route and limit names are letters, digits, `_`, `.` and
 /// `-` (config validation): no JSON escaping.
 #[inline]
-fn too_many_requests(out: &mut impl AnswerWriter, route: &Route, limit: usize, r: &Rejection) {
-    let limit = &route.limits.limits[limit];
+fn too_many_requests(
+    out: &mut impl AnswerWriter,
+    route: &Route,
+    (limit, rate): (&Limit, u16),
+    r: &Rejection,
+) {
     out.status(StatusCode::TOO_MANY_REQUESTS);
     out.field(&CONTENT_TYPE, JSON);
-    rate_fields(out, limit, r);
+    rate_fields(out, limit, rate, r);
     let b = out.body();
     b.extend_from_slice(b"{\"error\":\"rate_limited\",\"route\":\"");
     b.extend_from_slice(route.name.as_bytes());
@@ -238,11 +249,12 @@ fn too_many_requests(out: &mut impl AnswerWriter, route: &Route, limit: usize, r
     b.push(b'}');
 }
 
-/// `Retry-After` and the `RateLimit` fields of a rejection, default or custom.
+/// `Retry-After` and the `RateLimit` fields of a rejection, default or custom; the policy is
+/// the rate the key was decided under (`rate`, an index into [`Limit::rates`]).
 #[inline]
-fn rate_fields(out: &mut impl AnswerWriter, limit: &Limit, r: &Rejection) {
+fn rate_fields(out: &mut impl AnswerWriter, limit: &Limit, rate: u16, r: &Rejection) {
     out.field_with(&RETRY_AFTER, |v| push_u64(v, retry_after_secs(r)));
-    out.field(&RATELIMIT_POLICY, limit.policy.as_bytes());
+    out.field(&RATELIMIT_POLICY, limit.rate(rate).policy.as_bytes());
     out.field_with(&RATELIMIT, |v| {
         push_ratelimit(v, limit, r.remaining, r.retry_after)
     });
@@ -263,15 +275,14 @@ fn custom_rejection(
     out: &mut impl AnswerWriter,
     route: &Route,
     custom: &RejectionConfig,
-    limit: usize,
+    (limit, rate): (&Limit, u16),
     r: &Rejection,
 ) -> StatusCode {
-    let limit = &route.limits.limits[limit];
     out.status(custom.status);
     out.field(&CONTENT_TYPE, custom.content_type.as_bytes());
-    rate_fields(out, limit, r);
+    rate_fields(out, limit, rate, r);
     if custom.legacy_headers {
-        for (name, n) in legacy_fields(limit, r.remaining, r.reset_after) {
+        for (name, n) in legacy_fields(limit.rate(rate), r.remaining, r.reset_after) {
             out.field_with(name, |v| push_u64(v, n));
         }
     }

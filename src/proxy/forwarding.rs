@@ -197,12 +197,13 @@ pub(crate) fn client_response<V: HeadView>(
     }
     out.add(&X_REQUEST_ID, rule.request_id);
     if let Some((limit, info)) = rule.ratelimit {
-        out.add(&RATELIMIT_POLICY, limit.policy.as_bytes());
+        out.add(&RATELIMIT_POLICY, limit.rate(info.rate).policy.as_bytes());
         out.add_with(&RATELIMIT, |v| {
             push_ratelimit(v, limit, info.remaining, info.reset_after)
         });
         if rule.legacy {
-            for (name, n) in legacy_fields(limit, info.remaining, info.reset_after) {
+            for (name, n) in legacy_fields(limit.rate(info.rate), info.remaining, info.reset_after)
+            {
                 out.add_with(name, |v| push_u64(v, n));
             }
         }

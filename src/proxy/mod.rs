@@ -93,7 +93,11 @@ impl Gateway {
             metrics: &self.metrics,
         };
         match limits.evaluate(parts, &cx).await {
-            Verdict::Reject { limit, rejection } => {
+            Verdict::Reject {
+                limit,
+                rate,
+                rejection,
+            } => {
                 let l = &limits.limits[limit];
                 if rt.config.server.log_keys {
                     let mut key = crate::key::KeyBuf::new();
@@ -103,7 +107,11 @@ impl Gateway {
                 } else {
                     tracing::info!(%request_id, route = %route.name, limit = %l.name, status = route.rejection.as_ref().map_or(429, |r| r.status.as_u16()), "rate limited");
                 }
-                Err(ProxyError::Limited { limit, rejection })
+                Err(ProxyError::Limited {
+                    limit,
+                    rate,
+                    rejection,
+                })
             }
             Verdict::Unavailable { limit } => Err(ProxyError::LimiterUnavailable { limit }),
             Verdict::MissingKey { limit, part } => Err(ProxyError::MissingKey { limit, part }),

@@ -8,8 +8,8 @@ use http_body_util::{BodyExt, Full};
 
 use super::Body;
 use super::error::{AnswerWriter, ProxyError, rescue};
-use crate::limit::Limit;
 use crate::limit::algorithm::Micros;
+use crate::limit::{Limit, LimitRate};
 use crate::snapshot::Route;
 
 pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -96,16 +96,16 @@ pub(crate) fn push_ratelimit(
 }
 
 /// The legacy `X-RateLimit-*` fields (a route's `rejection.legacy_headers`), for 429s and
-/// admitted responses alike: the limit's COUNT, the units left, and the seconds until the
+/// admitted responses alike: the COUNT of the rate that applied, the units left, and the seconds until the
 /// limit is full again (rounded up). Older clients read these rather than the IETF fields.
 #[inline]
 pub(crate) fn legacy_fields(
-    limit: &Limit,
+    rate: &LimitRate,
     remaining: u64,
     reset_after: Micros,
 ) -> [(&'static HeaderName, u64); 3] {
     [
-        (&X_RATELIMIT_LIMIT, limit.config.rate.count),
+        (&X_RATELIMIT_LIMIT, rate.count),
         (&X_RATELIMIT_REMAINING, remaining),
         (&X_RATELIMIT_RESET, ceil_secs(reset_after)),
     ]

@@ -176,6 +176,40 @@ async fn a_23_hour_day_admits_its_count_and_reopens_at_local_midnight() {
     g.stop().await;
 }
 
+/// An override gives a key another count in the same calendar windows: the key's 429 also
+/// waits for local midnight, and its policy shows the count that applied.
+#[tokio::test]
+async fn an_override_counts_in_the_same_calendar_day() {
+    let midnight: Timestamp = "2024-03-30T23:00:00Z".parse().unwrap(); // 00:00 CET, Berlin
+    let micros = |t: Timestamp| u64::try_from(t.as_microsecond()).unwrap();
+    let clock = Arc::new(ManualClock::new(micros(midnight) + 11 * 3_600_000_000));
+    let up = Upstream::start().await;
+    let yaml = config(
+        None,
+        &up.url(),
+        "        rate: 1/1d
+        timezone: Europe/Berlin
+        overrides:
+          - when: { key: [vip] }
+            rate: 3/1d
+",
+    );
+    let g = Gateway::start_with_clock(&yaml, clock.clone()).await;
+    for _ in 0..3 {
+        let r = get(&g, "vip").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["ratelimit-policy"], "\"quota\";q=3;w=86400");
+    }
+    assert_eq!(get(&g, "ann").await.status(), 200);
+    for key in ["vip", "ann"] {
+        let r = get(&g, key).await;
+        assert_eq!(r.status(), 429, "{key}");
+        // Noon CEST on the 23-hour day: 12 hours to midnight, for both rates.
+        assert_eq!(r.headers()["retry-after"], "43200", "{key}");
+    }
+    g.stop().await;
+}
+
 /// A weekly quota (from Monday 00:00) in New York, on a local limit.
 #[tokio::test]
 async fn a_weekly_quota_reopens_on_monday() {

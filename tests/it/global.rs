@@ -613,9 +613,14 @@ async fn a_concurrent_flood_on_one_key_asks_redis_about_once_per_emission_interv
     println!(
         "herd: {ok} admitted, {limited} rejected, {redis_calls} redis calls ({per_rejection:.4} per rejection)"
     );
+    // About once per emission interval (30 in 1.5 s; the burst's 5 at the start), not once per
+    // rejection. Bounded per interval, not per rejection: calls per rejection depended on how
+    // many requests this test managed to send, which a loaded 2-core machine cut to a third
+    // (0.06 per rejection at ~1,000 rejections; 0.03 at ~2,500, for the same ~67 calls).
+    let intervals = 1.5 / 0.05;
     assert!(
-        per_rejection < 0.05,
-        "{redis_calls} Redis calls for {limited} rejections"
+        redis_calls <= 3.0 * intervals + 5.0,
+        "{redis_calls} Redis calls in {intervals} emission intervals ({limited} rejections)"
     );
 }
 
@@ -730,11 +735,14 @@ async fn delete_resets_a_global_key_in_redis_and_in_process() {
     // a full key changes nothing else).
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut resend = Instant::now() + Duration::from_millis(500);
-    while g2.shared.gateway.snapshot.load().routes[0].limits.limits[0]
-        .deny_cache
-        .check(b"ann", g2.shared.gateway.clock.now(), 0)
-        .is_some()
-    {
+    let held = || {
+        let rt = g2.shared.gateway.snapshot.load();
+        let l = &rt.routes[0].limits.limits[0];
+        l.deny_cache
+            .check(b"ann", g2.shared.gateway.clock.now(), 0, l.rate(0).id)
+            .is_some()
+    };
+    while held() {
         assert!(Instant::now() < deadline, "g2 never heard of the reset");
         if Instant::now() > resend {
             delete(&g1, Some("s3cret")).await;

@@ -243,3 +243,87 @@ fn the_summary_shows_calendar_windows_and_the_current_one() {
         assert!(text.contains(line), "{line:?} not in\n{text}");
     }
 }
+
+/// Plans and overrides give a calendar limit another count in the same windows: `1w` and
+/// `1mo` are written as the limit is, and another period is refused naming the limit's.
+#[test]
+fn plans_and_overrides_of_calendar_limits_keep_the_calendar_period() {
+    let file = |override_rate: &str| {
+        lines(&[
+            "plans:",
+            "  pro: { rate: 100000/1mo }",
+            "routes:",
+            "  - name: api",
+            "    upstream: http://127.0.0.1:9000",
+            "    limits:",
+            "      - name: monthly",
+            "        key: [header:x-api-key]",
+            "        algorithm: fixed_window",
+            "        rate: 1000/1mo",
+            "        align: calendar",
+            "        timezone: Europe/Berlin",
+            "        overrides:",
+            "          - when: { key: [acme] }",
+            "            plan: pro",
+            "          - when: { key: [beta] }",
+            &format!("            rate: {override_rate}"),
+        ])
+    };
+    let cfg = ok(&file("5000/1mo"));
+    let l = &cfg.routes[0].limits[0];
+    let rates: Vec<(u64, Duration)> = l
+        .overrides
+        .iter()
+        .map(|o| match &o.then {
+            crate::config::OverrideRate::Rate { rate, .. } => (rate.count, rate.period),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(rates, [(100000, 30 * DAY), (5000, 30 * DAY)]);
+    let text = crate::config::summary(&cfg);
+    assert!(text.contains("plan pro (100000/1mo)"), "{text}");
+    assert!(text.contains("rate 5000/1mo"), "{text}");
+    assert_err(
+        &file("5000/1d"),
+        17,
+        19,
+        "fixed_window keeps a key's state for the limit's period (1mo), so an override keeps that period and changes the count (e.g. 5000/1mo)",
+    );
+}
+
+/// The spec's shared daily budget: a top-level calendar limit that routes `use:`.
+#[test]
+fn a_shared_limit_can_be_a_calendar_quota() {
+    let cfg = ok(&lines(&[
+        "limits:",
+        "  - name: per-key-daily",
+        "    key: [header:x-api-key]",
+        "    algorithm: fixed_window",
+        "    rate: 10000/1d",
+        "    align: calendar",
+        "    timezone: Europe/Berlin",
+        "routes:",
+        "  - name: search",
+        "    upstream: http://127.0.0.1:9000",
+        "    limits:",
+        "      - use: per-key-daily",
+        "  - name: users",
+        "    upstream: http://127.0.0.1:9000",
+        "    limits:",
+        "      - use: per-key-daily",
+    ]));
+    for route in &cfg.routes {
+        let l = &route.limits[0];
+        assert!(l.shared);
+        let c = l.calendar.as_ref().expect("calendar windows");
+        assert_eq!(
+            (c.unit, c.zone_name()),
+            (CalendarUnit::Day, "Europe/Berlin")
+        );
+    }
+    let text = crate::config::summary(&cfg);
+    assert!(
+        text.contains("fixed_window 10000/1d, calendar days in Europe/Berlin"),
+        "{text}"
+    );
+}

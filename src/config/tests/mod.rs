@@ -1,8 +1,10 @@
 //! Every validation rule with its exact position, and the shipped files.
 
 mod calendar;
+mod consumers;
 mod errors;
 mod limits;
+mod sentinel;
 mod tls;
 mod valid;
 

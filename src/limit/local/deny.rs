@@ -30,6 +30,10 @@ struct Deny {
     remaining: u64,
     /// A request is asking Redis about this key now (see [`DenyCache::begin`]).
     probing: bool,
+    /// The rate (`LimitRate::id`) Redis answered under: a request under another rate (the
+    /// key moved to another plan, by a reload or an override on its address or headers) is
+    /// never answered from this entry, only by Redis, which then replaces it.
+    rate: u32,
 }
 
 /// How long an entry outlives its `admit_at`: the window in which concurrent requests for a
@@ -80,6 +84,7 @@ impl Drop for ProbeGuard<'_> {
                     reset_at: 0,
                     remaining: 0,
                     probing: false,
+                    rate: 0,
                 },
                 |d, _| {
                     d.probing = false;
@@ -100,12 +105,19 @@ impl std::fmt::Debug for DenyCache {
 }
 
 impl DenyCache {
-    /// The rejection to answer with, if Redis is known to reject a request for `key` at `now`.
-    /// `max_delay`: a delaying limit can still reserve from `admit_at − max_delay` on.
-    pub fn check(&self, key: &[u8], now: Micros, max_delay: Micros) -> Option<Rejection> {
+    /// The rejection to answer with, if Redis is known to reject a request for `key` under
+    /// `rate` at `now`. `max_delay`: a delaying limit can still reserve from
+    /// `admit_at − max_delay` on.
+    pub fn check(
+        &self,
+        key: &[u8],
+        now: Micros,
+        max_delay: Micros,
+        rate: u32,
+    ) -> Option<Rejection> {
         let hash = self.map.hash(key);
         let shard = self.map.lock(hash);
-        let d = shard.get(hash, key, now)?;
+        let d = shard.get(hash, key, now).filter(|d| d.rate == rate)?;
         // A delaying limit admits (with a wait) from `admit_at − max_delay` on: that is its
         // Retry-After, as the core's and the script's.
         let admissible_at = d.admit_at.saturating_sub(max_delay);
@@ -120,10 +132,14 @@ impl DenyCache {
     /// elects one request to ask Redis; the others follow. Without it every request in flight
     /// for a flooded key reaches Redis each time the key comes free (a herd per emission
     /// interval, one call per client connection).
-    pub fn begin(&self, key: &[u8], now: Micros) -> Probe<'_> {
+    pub fn begin(&self, key: &[u8], now: Micros, rate: u32) -> Probe<'_> {
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
-        let Some(d) = shard.get(hash, key, now).copied() else {
+        let Some(d) = shard
+            .get(hash, key, now)
+            .copied()
+            .filter(|d| d.rate == rate)
+        else {
             return Probe::Free;
         };
         if d.probing {
@@ -164,7 +180,8 @@ impl DenyCache {
     /// Learns from Redis rejecting `key`'s request in a script sent at local time `sent`. A
     /// delaying limit's `retry_after` is already `max_delay` short of the slot (when a wait
     /// would be allowed): the slot itself is `max_delay` later.
-    pub fn rejected(&self, key: &[u8], sent: Micros, r: &Rejection, max_delay: Micros) {
+    /// `rate`: the rate the request was decided under (`LimitRate::id`).
+    pub fn rejected(&self, key: &[u8], sent: Micros, r: &Rejection, max_delay: Micros, rate: u32) {
         self.record(
             key,
             sent,
@@ -173,17 +190,19 @@ impl DenyCache {
                 reset_at: sent + r.reset_after.max(r.retry_after),
                 remaining: r.remaining,
                 probing: false,
+                rate,
             },
             max_delay,
         );
     }
 
-    /// Learns from Redis admitting `key`'s request (of `cost`) in a script sent at `sent`.
+    /// Learns from Redis admitting `key`'s request (of `cost`) in a script sent at `sent`,
+    /// decided under `algorithm`, the rate whose id is `rate`.
     pub fn admitted(
         &self,
         key: &[u8],
         sent: Micros,
-        algorithm: &Algorithm,
+        (algorithm, rate): (&Algorithm, u32),
         cost: u64,
         s: &Snapshot,
         max_delay: Micros,
@@ -208,6 +227,7 @@ impl DenyCache {
                     reset_at: sent + s.reset_after,
                     remaining: s.remaining,
                     probing: false,
+                    rate,
                 },
                 max_delay,
             );
@@ -229,7 +249,8 @@ impl DenyCache {
             |cur, live| {
                 // Answers can arrive out of order; the later admit_at is the better-informed
                 // one (state only moves towards more consumed). A probe in flight stays marked.
-                if !live || d.admit_at >= cur.admit_at {
+                // An answer under another rate replaces what was said under the old one.
+                if !live || d.rate != cur.rate || d.admit_at >= cur.admit_at {
                     *cur = Deny {
                         probing: live && cur.probing,
                         ..d
@@ -275,6 +296,30 @@ mod tests {
         burst: 2,
     };
 
+    /// The tier never answers a key under a rate other than the one Redis answered it under
+    /// (the key moved to another plan); the next answer, under the new rate, replaces the old.
+    #[test]
+    fn an_answer_under_another_rate_is_not_used() {
+        let c = DenyCache::default();
+        let r = Rejection {
+            retry_after: 300,
+            remaining: 0,
+            reset_after: 300,
+        };
+        c.rejected(b"k", 1_000, &r, 0, 7);
+        assert!(c.check(b"k", 1_100, 0, 7).is_some());
+        assert!(c.check(b"k", 1_100, 0, 8).is_none());
+        assert!(matches!(c.begin(b"k", 1_100, 8), Probe::Free));
+        // An earlier admit_at under the new rate still replaces the old rate's entry.
+        let short = Rejection {
+            retry_after: 50,
+            ..r
+        };
+        c.rejected(b"k", 1_100, &short, 0, 8);
+        assert!(c.check(b"k", 1_120, 0, 7).is_none());
+        assert_eq!(c.check(b"k", 1_120, 0, 8).unwrap().retry_after, 30);
+    }
+
     #[test]
     fn a_rejection_is_remembered_until_retry_after() {
         let c = DenyCache::default();
@@ -283,18 +328,18 @@ mod tests {
             remaining: 0,
             reset_after: 500,
         };
-        c.rejected(b"k", 1_000, &r, 0);
-        let local = c.check(b"k", 1_100, 0).unwrap();
+        c.rejected(b"k", 1_000, &r, 0, 7);
+        let local = c.check(b"k", 1_100, 0, 7).unwrap();
         assert_eq!(local.retry_after, 200);
-        assert!(c.check(b"k", 1_299, 0).is_some());
+        assert!(c.check(b"k", 1_299, 0, 7).is_some());
         assert!(
-            c.check(b"k", 1_300, 0).is_none(),
+            c.check(b"k", 1_300, 0, 7).is_none(),
             "admit_at is when Redis admits: go ask"
         );
-        assert!(c.check(b"other", 1_100, 0).is_none());
+        assert!(c.check(b"other", 1_100, 0, 7).is_none());
         // A delaying limit may reserve max_delay before admit_at.
-        assert!(c.check(b"k", 1_250, 50).is_none());
-        assert!(c.check(b"k", 1_249, 50).is_some());
+        assert!(c.check(b"k", 1_250, 50, 7).is_none());
+        assert!(c.check(b"k", 1_249, 50, 7).is_some());
     }
 
     /// The tier mirrors the gcra bucket: it rejects exactly where the pure core would, given the
@@ -308,14 +353,14 @@ mod tests {
         for _ in 0..2 {
             let s = alg.check(&state, now, 1).unwrap();
             alg.commit(&mut state, now, 1);
-            c.admitted(b"k", now, &alg, 1, &s, 0);
+            c.admitted(b"k", now, (&alg, 7), 1, &s, 0);
         }
         // Burst used: the core rejects until retry_after, and so does the tier.
         let r = alg.check(&state, now, 1).unwrap_err();
-        let local = c.check(b"k", now, 0).unwrap();
+        let local = c.check(b"k", now, 0, 7).unwrap();
         assert_eq!(local.retry_after, r.retry_after);
-        assert!(c.check(b"k", now + r.retry_after - 1, 0).is_some());
-        assert!(c.check(b"k", now + r.retry_after, 0).is_none());
+        assert!(c.check(b"k", now + r.retry_after - 1, 0, 7).is_some());
+        assert!(c.check(b"k", now + r.retry_after, 0, 7).is_none());
         assert!(alg.check(&state, now + r.retry_after, 1).is_ok());
     }
 
@@ -331,16 +376,16 @@ mod tests {
         let max_delay = 150_000;
         while let Ok((s, _)) = alg.reserve(&state, now, 1, max_delay) {
             alg.commit(&mut state, now, 1);
-            from_admissions.admitted(b"k", now, &alg, 1, &s, max_delay);
+            from_admissions.admitted(b"k", now, (&alg, 7), 1, &s, max_delay);
         }
         let r = alg.reserve(&state, now, 1, max_delay).unwrap_err();
         let from_rejection = DenyCache::default();
-        from_rejection.rejected(b"k", now, &r, max_delay);
+        from_rejection.rejected(b"k", now, &r, max_delay, 7);
         for c in [&from_admissions, &from_rejection] {
-            assert_eq!(c.check(b"k", now, max_delay), Some(r));
+            assert_eq!(c.check(b"k", now, max_delay, 7), Some(r));
             let at = now + r.retry_after;
-            assert!(c.check(b"k", at - 1, max_delay).is_some());
-            assert!(c.check(b"k", at, max_delay).is_none());
+            assert!(c.check(b"k", at - 1, max_delay, 7).is_some());
+            assert!(c.check(b"k", at, max_delay, 7).is_none());
             assert!(alg.reserve(&state, at, 1, max_delay).is_ok());
             assert!(alg.reserve(&state, at - 1, 1, max_delay).is_err());
         }
@@ -354,11 +399,11 @@ mod tests {
             remaining: 0,
             reset_after: 400,
         };
-        c.admitted(b"k", 100, &fw, 1, &s, 0);
-        assert_eq!(c.check(b"k", 200, 0).unwrap().retry_after, 300);
+        c.admitted(b"k", 100, (&fw, 7), 1, &s, 0);
+        assert_eq!(c.check(b"k", 200, 0, 7).unwrap().retry_after, 300);
         let log = Algorithm::SlidingLog(SlidingLog::new(Q));
-        c.admitted(b"l", 100, &log, 1, &s, 0);
-        assert!(c.check(b"l", 200, 0).is_none());
+        c.admitted(b"l", 100, (&log, 7), 1, &s, 0);
+        assert!(c.check(b"l", 200, 0, 7).is_none());
     }
 
     #[test]
@@ -369,11 +414,11 @@ mod tests {
             remaining: 0,
             reset_after: 10,
         };
-        c.rejected(b"k", 0, &r, 0);
+        c.rejected(b"k", 0, &r, 0, 7);
         assert_eq!(c.sweep(5), 1);
         // Kept past admit_at for the probe window, so a hot key's herd can be funnelled.
         assert_eq!(c.sweep(10), 1);
-        assert!(c.check(b"k", 10, 0).is_none());
+        assert!(c.check(b"k", 10, 0, 7).is_none());
         assert_eq!(c.sweep(10 + PROBE_WINDOW), 0);
     }
 
@@ -381,7 +426,7 @@ mod tests {
     fn one_request_probes_a_key_that_came_free_and_the_others_follow() {
         let c = DenyCache::default();
         assert!(
-            matches!(c.begin(b"cold", 0), Probe::Free),
+            matches!(c.begin(b"cold", 0, 7), Probe::Free),
             "no recent answer: no coordination"
         );
         let r = Rejection {
@@ -389,16 +434,16 @@ mod tests {
             remaining: 0,
             reset_after: 100,
         };
-        c.rejected(b"k", 1_000, &r, 0);
-        let lead = c.begin(b"k", 1_100);
+        c.rejected(b"k", 1_000, &r, 0, 7);
+        let lead = c.begin(b"k", 1_100, 7);
         assert!(matches!(lead, Probe::Lead(_)));
-        assert!(matches!(c.begin(b"k", 1_100), Probe::Follow));
-        assert!(matches!(c.begin(b"k", 1_200), Probe::Follow));
+        assert!(matches!(c.begin(b"k", 1_100, 7), Probe::Follow));
+        assert!(matches!(c.begin(b"k", 1_200, 7), Probe::Follow));
         // The leader's answer is learned and its guard dropped: the key is no longer probed,
         // and the followers see what it learned.
-        c.rejected(b"k", 1_100, &r, 0);
+        c.rejected(b"k", 1_100, &r, 0, 7);
         drop(lead);
-        assert!(c.check(b"k", 1_150, 0).is_some());
-        assert!(matches!(c.begin(b"k", 1_200), Probe::Lead(_)));
+        assert!(c.check(b"k", 1_150, 0, 7).is_some());
+        assert!(matches!(c.begin(b"k", 1_200, 7), Probe::Lead(_)));
     }
 }

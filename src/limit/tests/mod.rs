@@ -89,6 +89,7 @@ fn parts<'a>(uri: &'a http::Uri, held: &'a (http::Method, http::HeaderMap)) -> R
         client_ip: [127, 0, 0, 1].into(),
         client_ip_text: None,
         route: "r",
+        peer_trusted: false,
     }
 }
 

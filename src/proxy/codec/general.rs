@@ -158,6 +158,7 @@ async fn exchange(
         client_ip: client,
         client_ip_text: None,
         route: &route.name,
+        peer_trusted: crate::key::client_ip::peer_trusted(peer.ip(), &rt.trusted_proxies),
     };
     let Admitted {
         info,

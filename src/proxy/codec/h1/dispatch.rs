@@ -102,6 +102,7 @@ impl<S: ClientIo> Conn<S> {
             client_ip: client,
             client_ip_text: (client == peer_ip).then_some(self.peer_text.as_bytes()),
             route: &route.name,
+            peer_trusted: crate::key::client_ip::peer_trusted(peer_ip, &rt.trusted_proxies),
         };
         let admitted = match self.gateway.admit(rt, route, &parts, rid.log(bytes)).await {
             Ok(a) => a,
