@@ -14,6 +14,7 @@ mod fast_path;
 mod fuzz_corpus;
 mod gateway;
 mod global;
+mod key_flood;
 mod lua_mirror;
 mod packaging;
 mod redis_cluster;
