@@ -43,8 +43,9 @@ type KeyBuf = SmallVec<[u8; 16]>;
 /// 64 bytes for every algorithm (the log is boxed), and the alignment keeps an entry from
 /// straddling two lines. `Option` costs nothing: it lives in the state's enum tag.
 ///
-/// `expires_at == 0` marks a *tombstone*: an entry forgotten or evicted, kept in place (with
-/// its key) so probe chains through it stay intact, and counted in no budget.
+/// `expires_at == 0` marks a *tombstone*: an entry forgotten (the admin API's reset) or expired
+/// at a sweep, kept in place (with its key) so probe chains through it stay intact, and counted
+/// in no budget. Evictions leave none: they shift the entries after them back instead.
 #[repr(align(64))]
 struct Entry<V> {
     key: KeyBuf,
@@ -175,7 +176,7 @@ impl<V> Shard<V> {
     }
 }
 
-impl<V: Clone> Shard<V> {
+impl<V> Shard<V> {
     /// Updates `key` in place: `f` gets the live value (or a fresh one from `init`, with
     /// `false`, when absent or expired) and returns the new expiry. See
     /// [`Shard::update_found`] for `rank` and what is returned.
@@ -247,19 +248,10 @@ impl<V: Clone> Shard<V> {
         if (self.used + 1) * 2 > self.slots.len() {
             self.rebuild(now, 1);
         }
-        let mask = self.mask();
-        let mut i = hash as usize & mask;
-        // The key is absent, so its probe chain ends at an empty slot; an expired entry or a
-        // tombstone on the way is as good a home and shortens the chain.
-        while let Some(e) = &self.slots[i] {
-            if e.expires_at <= now {
-                break;
-            }
-            i = (i + 1) & mask;
-        }
+        let mut i = self.home_for(hash, now);
         let mut evicted = None;
         // Taking over an expired entry's place keeps the count; anything else adds one.
-        if !matches!(&self.slots[i], Some(e) if e.expires_at != 0) {
+        if !self.counted(i) {
             if self.held >= self.cap {
                 match self.make_room(hash, now, &value, expires_at, &rank) {
                     Room::Expired => {}
@@ -272,10 +264,14 @@ impl<V: Clone> Shard<V> {
                         });
                     }
                 }
+                // The removal shifted entries back: the key's place may be earlier now.
+                i = self.home_for(hash, now);
             }
-            self.held += 1;
-            if self.slots[i].is_none() {
-                self.used += 1;
+            if !self.counted(i) {
+                self.held += 1;
+                if self.slots[i].is_none() {
+                    self.used += 1;
+                }
             }
         }
         self.slots[i] = Some(Entry {
@@ -286,9 +282,55 @@ impl<V: Clone> Shard<V> {
         evicted
     }
 
+    /// Where an absent key goes: its probe chain ends at an empty slot, and an expired entry or
+    /// a tombstone on the way is as good a home and shortens the chain.
+    fn home_for(&self, hash: u64, now: Micros) -> usize {
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        while let Some(e) = &self.slots[i] {
+            if e.expires_at <= now {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        i
+    }
+
+    /// Whether slot `i` holds an entry counted in `held` (live or expired, not a tombstone).
+    fn counted(&self, i: usize) -> bool {
+        matches!(&self.slots[i], Some(e) if e.expires_at != 0)
+    }
+
+    /// Takes the entry in slot `i` out of the table, shifting the entries after it in its
+    /// cluster back so every probe chain stays unbroken (linear probing's deletion without a
+    /// tombstone: a table that evicts on every insert at its cap does not fill with them).
+    fn remove(&mut self, mut i: usize) -> Option<Entry<V>> {
+        let removed = self.slots[i].take()?;
+        self.used -= 1;
+        if removed.expires_at != 0 {
+            self.held -= 1;
+        }
+        let mask = self.mask();
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let Some(e) = &self.slots[j] else {
+                break;
+            };
+            let home = self.hasher.hash_one(&e.key[..]) as usize & mask;
+            // The entry at `j` may fill the hole at `i` if its home is not in (i, j]: it was
+            // placed past the hole, so the hole is on its chain.
+            if j.wrapping_sub(home) & mask >= j.wrapping_sub(i) & mask {
+                self.slots[i] = self.slots[j].take();
+                i = j;
+            }
+        }
+        Some(removed)
+    }
+
     /// Frees one place of the cap for a new key whose value is `value` (see
-    /// [`Shard::update_found`]). Only tombstones are made: no entry moves, so the slot the new
-    /// key is headed for stays right.
+    /// [`Shard::update_found`]): removes an expired sampled entry, or the sampled one closest
+    /// to full unless the new key is closer still (`Declined`).
     #[cold]
     fn make_room(
         &mut self,
@@ -309,7 +351,7 @@ impl<V: Clone> Shard<V> {
                     && e.expires_at != 0
                 {
                     if e.expires_at <= now {
-                        self.tombstone(j);
+                        self.remove(j);
                         return Room::Expired;
                     }
                     let r = (rank(&e.value), e.expires_at);
@@ -324,16 +366,16 @@ impl<V: Clone> Shard<V> {
         match best {
             // The new key goes only if it is strictly the closest to full: on a tie it is
             // stored, so a newcomer can always settle in among keys like itself.
-            Some((r, e, j)) if !sooner((rank(value), expires_at), (r, e)) => {
-                self.evicted += 1;
-                match self.tombstone(j) {
-                    Some(victim) => Room::Evicted(Evicted {
+            Some((r, e, j)) if !sooner((rank(value), expires_at), (r, e)) => match self.remove(j) {
+                Some(victim) => {
+                    self.evicted += 1;
+                    Room::Evicted(Evicted {
                         key: victim.key.to_vec(),
-                        value: victim.value.clone(),
-                    }),
-                    None => Room::Expired,
+                        value: victim.value,
+                    })
                 }
-            }
+                None => Room::Expired,
+            },
             _ => Room::Declined,
         }
     }
@@ -368,14 +410,17 @@ impl<V: Clone> Shard<V> {
             })
             .collect();
         order.select_nth_unstable(excess - 1);
+        // Taken out without mending the probe chains: the rebuild below places every entry
+        // left afresh.
         for &(_, _, i) in &order[..excess] {
-            if let Some(victim) = self.tombstone(i) {
-                let gone = Evicted {
-                    key: victim.key.to_vec(),
-                    value: victim.value.clone(),
-                };
+            if let Some(victim) = self.slots[i].take() {
+                self.used -= 1;
+                self.held -= 1;
                 self.evicted += 1;
-                on_evict(gone);
+                on_evict(Evicted {
+                    key: victim.key.to_vec(),
+                    value: victim.value,
+                });
             }
         }
         self.rebuild(now, 0);
@@ -401,10 +446,16 @@ impl<V> Shard<V> {
     /// the tombstones.
     fn rebuild(&mut self, now: Micros, extra: usize) {
         let live = self.live(now);
-        let mut want = ((live + extra) * 2).next_power_of_two().max(MIN_SLOTS);
-        if (live + extra) * 8 > want * 3 {
+        // A shard never holds more than its cap, and one more while an insert makes room (but
+        // every live entry must fit: a lowered cap trims after a rebuild).
+        let n = (live + extra).min(self.cap.saturating_add(1)).max(live);
+        let mut want = (n * 2).next_power_of_two().max(MIN_SLOTS);
+        if n * 8 > want * 3 && want / 2 <= self.cap {
             // Over 3/8 full: leave room, or a table whose live keys hover near half full would
-            // be rebuilt on every other insert.
+            // be rebuilt on every other insert. Not when the table already holds its cap at
+            // most half full: at the cap an insert removes an entry (without a tombstone) for
+            // each it adds, so the table does not fill up, and the room would be memory held
+            // for keys that cannot come.
             want *= 2;
         }
         let old = std::mem::replace(&mut self.slots, Vec::with_capacity(want));
@@ -560,7 +611,7 @@ impl<V> Sharded<V> {
     }
 }
 
-impl<V: Clone> Sharded<V> {
+impl<V> Sharded<V> {
     /// Caps the map at `keys` entries, [`Sharded::shard_cap`] per shard. A shard holding more
     /// evicts down to its cap at once, the entries closest to full by `rank` first (each
     /// handed to `on_evict`); one lock at a time, never all at once.
