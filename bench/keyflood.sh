@@ -5,9 +5,9 @@
 #   KEYS=1000000 MAX_KEYS=100000 bench/keyflood.sh
 #   KEYS=1000000 MAX_KEYS=1000000000 bench/keyflood.sh   # effectively no cap, for comparison
 #
-# One local limit keyed by `header:x-user` (gcra 100/1h: no key comes back to full during the
-# run); wrk sends every request with a new x-user value (a Lua counter), one request per key,
-# until KEYS requests have been answered. Then: tollgate's VmRSS and VmHWM, the keys its stores
+# One local limit keyed by `header:x-user` (gcra 100/1d: a key that took one unit is full again
+# after 14.4 minutes, longer than the run); wrk sends every request with a new x-user value (a
+# Lua counter), one request per key, until KEYS requests have been answered. Then: tollgate's VmRSS and VmHWM, the keys its stores
 # hold and the evictions counted (/metrics), and requests/s over the flood. The upstream is an
 # nginx worker as in bench/load.sh. Needs nginx, wrk, curl, python3; a release build
 # (cargo build --release). bench/keymem.rs drives the store directly for 10M keys.
@@ -46,7 +46,7 @@ P=$(free_port); A=$(free_port)
     echo "    match: {path_prefix: /}"
     echo "    upstream: http://127.0.0.1:$UP"
     echo "    limits:"
-    echo "      - {name: per-user, key: [header:x-user], algorithm: gcra, rate: 100/1h, scope: local}"
+    echo "      - {name: per-user, key: [header:x-user], algorithm: gcra, rate: 100/1d, scope: local}"
 } > "$TMP/flood.yaml"
 "$BIN" check --config "$TMP/flood.yaml" | grep '^keys'
 RUST_LOG=warn "$BIN" run --config "$TMP/flood.yaml" >"$TMP/tollgate.log" 2>&1 & tg=$!; PIDS+=("$tg")

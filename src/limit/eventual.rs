@@ -91,7 +91,7 @@ impl Leftovers {
         }
         self.push(
             SyncItem {
-                key: e.key,
+                key: e.key.to_vec(),
                 ws: c.ws,
                 push_curr: c.own_curr,
                 push_prev: c.own_prev,

@@ -37,7 +37,7 @@ const SCAN: usize = 8;
 
 /// Keys of up to 16 bytes (an IPv4 address, a short id) live inside the entry, so their lookup
 /// touches the table and nothing behind a pointer.
-type KeyBuf = SmallVec<[u8; 16]>;
+pub type KeyBuf = SmallVec<[u8; 16]>;
 
 /// One cache line per entry: key (24 bytes with smallvec's `union`), state (32) and expiry fill
 /// 64 bytes for every algorithm (the log is boxed), and the alignment keeps an entry from
@@ -61,8 +61,8 @@ pub type Found = Option<usize>;
 /// the in-process tier drop it; the eventual store pushes its units not yet synced.
 #[derive(Debug)]
 pub struct Evicted<V> {
-    /// The key's bytes.
-    pub key: Vec<u8>,
+    /// The key's bytes (moved out of the entry: no copy, no allocation for a short key).
+    pub key: KeyBuf,
     /// Its state when evicted.
     pub value: V,
 }
@@ -259,7 +259,7 @@ impl<V> Shard<V> {
                     Room::Declined => {
                         self.evicted += 1;
                         return Some(Evicted {
-                            key: key.to_vec(),
+                            key: KeyBuf::from_slice(key),
                             value,
                         });
                     }
@@ -370,7 +370,7 @@ impl<V> Shard<V> {
                 Some(victim) => {
                     self.evicted += 1;
                     Room::Evicted(Evicted {
-                        key: victim.key.to_vec(),
+                        key: victim.key,
                         value: victim.value,
                     })
                 }
@@ -418,7 +418,7 @@ impl<V> Shard<V> {
                 self.held -= 1;
                 self.evicted += 1;
                 on_evict(Evicted {
-                    key: victim.key.to_vec(),
+                    key: victim.key,
                     value: victim.value,
                 });
             }
@@ -902,7 +902,7 @@ mod tests {
         for i in 100..1_100u32 {
             let gone = put(&mut shard, &i.to_le_bytes(), 7).expect("full: one goes");
             assert_eq!(
-                gone.key,
+                &gone.key[..],
                 i.to_le_bytes(),
                 "the newcomer is the closest to full"
             );
@@ -916,7 +916,7 @@ mod tests {
         }
         // As far from full as the others: stored, and a sampled entry goes.
         let gone = put(&mut shard, b"new", 0).expect("full: one goes");
-        assert_ne!(gone.key, b"new");
+        assert_ne!(&gone.key[..], b"new");
         assert_eq!(shard.len(), 100);
         assert_eq!(shard.evicted, 1_001);
     }
