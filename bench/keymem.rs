@@ -7,6 +7,9 @@
 //!   cargo bench --bench keymem -- --keys 10000000 --max-keys 1000000
 //!   cargo bench --bench keymem -- --keys 1000000 --max-keys none      # no cap, for comparison
 //!
+//! Run without `--bench` (as `cargo test --all-targets` does) and without `--keys`, it floods
+//! 20,000 keys against a cap of 1,024 and checks that every key is held or was evicted.
+//!
 //! One run per process, so each figure starts from the same empty heap. Results and the runs
 //! that produced them: docs/benchmarks.md, "Bounded memory under key floods".
 
@@ -66,10 +69,18 @@ fn decide(store: &LocalStore, alg: &Algorithm, i: u64, v6: bool, now: Micros) ->
 }
 
 fn main() {
-    let mut keys: u64 = 10_000_000;
-    let mut max_keys = Some(default_max_keys().keys);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this without it: then, unless
+    // told otherwise, a quick smoke run against a small cap instead of ten million keys.
+    let bench = args.iter().any(|a| a == "--bench");
+    let mut keys: u64 = if bench { 10_000_000 } else { 20_000 };
+    let mut max_keys = Some(if bench {
+        default_max_keys().keys
+    } else {
+        1_024
+    });
     let mut v6 = false;
-    let mut args = std::env::args().skip(1);
+    let mut args = args.into_iter();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--keys" => keys = args.next().and_then(|v| v.parse().ok()).expect("--keys N"),
@@ -82,7 +93,6 @@ fn main() {
                 }
             }
             "--v6" => v6 = true,
-            // `cargo bench` passes `--bench`.
             _ => {}
         }
     }
@@ -113,6 +123,8 @@ fn main() {
     let (after, peak) = rss();
     let held = store.len() as u64;
     let evicted = store.take_evicted();
+    assert_eq!(held + evicted, keys, "every key is held or was evicted");
+    assert!(max_keys.is_none_or(|m| held <= m as u64), "{held} held");
     println!(
         "keys {keys} ({}), max_keys {}",
         if v6 {
