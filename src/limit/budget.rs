@@ -28,9 +28,10 @@ use super::local::LocalStore;
 use super::local::deny::DenyCache;
 use super::local::sharded::SHARDS;
 
-/// Memory one key takes in a store, table slack and allocator included, as measured with 10M
-/// distinct keys against the cap (docs/benchmarks.md, "Bounded memory under key floods"): an
-/// entry is one 64-byte line and a table at its cap is between 3/16 and 1/2 full.
+/// The most memory one key takes in a store at its cap, table slack included: an entry is one
+/// 64-byte line and a table at its cap is between 1/4 and 1/2 full. The top of that range, so
+/// that the default cap bounds memory rather than estimates it (keys over 16 bytes add their
+/// own allocation; measured figures: docs/benchmarks.md, "Bounded memory under key floods").
 pub const BYTES_PER_KEY: u64 = 256;
 
 /// The default budget takes this fraction (1/16) of the memory the process may use: the rest

@@ -32,7 +32,7 @@ pub const SHARDS: usize = 64;
 pub const SAMPLES: usize = 5;
 
 /// Slots scanned from each sample's random starting slot for an entry (a table at its cap is
-/// between 3/16 and 1/2 full, so nearly always a few slots suffice).
+/// between 1/4 and 1/2 full, so nearly always a few slots suffice).
 const SCAN: usize = 8;
 
 /// Keys of up to 16 bytes (an IPv4 address, a short id) live inside the entry, so their lookup
