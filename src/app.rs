@@ -122,6 +122,8 @@ impl App {
                 .map_or(&[], |ca| &ca.certs),
         );
         let snapshot = ConfigSnapshot::build(config, &metrics, &connector, None);
+        snapshot.sweep(clock.now(), &metrics);
+        log_key_budget(snapshot.config.server.max_keys);
         if let Some(redis) = &snapshot.redis {
             // Give the pool a moment to connect so the first requests do not meet a cold
             // connection; a Redis that is down only delays start-up by this much.
@@ -235,6 +237,23 @@ impl App {
     }
 }
 
+/// Says at start-up how many keys the in-process stores may hold, and where the number came
+/// from (`tollgate check` prints the same).
+fn log_key_budget(max_keys: usize) {
+    let d = crate::limit::budget::default_max_keys();
+    if max_keys == d.keys {
+        tracing::info!(
+            max_keys,
+            memory_bytes = d.memory,
+            "in-process key budget: server.max_keys by default, 1/{} of the memory at {} bytes per key",
+            crate::limit::budget::MEMORY_SHARE,
+            crate::limit::budget::BYTES_PER_KEY
+        );
+    } else {
+        tracing::info!(max_keys, "in-process key budget: server.max_keys");
+    }
+}
+
 /// Forgets in process the keys a reset names, wherever it was made (the admin API's `DELETE`
 /// on any instance publishes it on Redis), so this instance's in-process tier does not go on
 /// rejecting a key that is full again. Follows the store a reload swaps in.
@@ -283,8 +302,7 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
         }
         let rt = shared.gateway.snapshot.load_full();
         let now = shared.gateway.clock.now();
-        let kept = rt.sweep(now);
-        shared.gateway.metrics.set_local_keys(kept);
+        rt.sweep(now, &shared.gateway.metrics);
     }
 }
 

@@ -141,6 +141,14 @@ struct KindLabel {
 struct ResultLabel {
     result: &'static str,
 }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreLabel {
+    store: &'static str,
+}
+
+/// The `store` label values of the key-budget metrics: the kinds of in-process store
+/// (`limit::budget::StoreKind`), so their series exist from the start.
+pub const KEY_STORES: [&str; 3] = ["local", "deny_tier", "eventual"];
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
@@ -160,6 +168,10 @@ pub struct Metrics {
     delay: HistogramFamily<RouteLimit>,
     waiters_abandoned: Family<RouteLimit, Counter>,
     local_keys: Gauge,
+    limit_keys: Family<StoreLabel, Gauge>,
+    limit_keys_evicted: Family<StoreLabel, Counter>,
+    limit_keys_max: Gauge,
+    eventual_units_lost: Counter,
 }
 
 impl Default for Metrics {
@@ -187,6 +199,10 @@ impl Metrics {
         let delay: HistogramFamily<RouteLimit> = Family::new_with_constructor(Histogram::latency);
         let waiters_abandoned = Family::default();
         let local_keys = Gauge::default();
+        let limit_keys = Family::default();
+        let limit_keys_evicted = Family::default();
+        let limit_keys_max = Gauge::default();
+        let eventual_units_lost = Counter::default();
         // prometheus-client appends `_total` to counters and `_seconds` comes from the name.
         registry.register(
             "tollgate_requests",
@@ -248,6 +264,26 @@ impl Metrics {
             "Keys held by the in-process limit stores",
             local_keys.clone(),
         );
+        registry.register(
+            "tollgate_limit_keys",
+            "Keys held by the in-process limit stores, by kind of store",
+            limit_keys.clone(),
+        );
+        registry.register(
+            "tollgate_limit_keys_evicted",
+            "Keys evicted from the in-process limit stores to stay within server.max_keys, by kind of store",
+            limit_keys_evicted.clone(),
+        );
+        registry.register(
+            "tollgate_limit_keys_max",
+            "server.max_keys: the most keys the in-process limit stores hold together",
+            limit_keys_max.clone(),
+        );
+        registry.register(
+            "tollgate_eventual_units_lost",
+            "Units admitted by eventual limits that no sync will push: their key was evicted while the queue of evicted keys' units was full",
+            eventual_units_lost.clone(),
+        );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
         for kind in [
             "timeout",
@@ -261,6 +297,10 @@ impl Metrics {
         }
         for result in ["success", "error"] {
             let _ = reloads.get_or_create_owned(&ResultLabel { result });
+        }
+        for store in KEY_STORES {
+            let _ = limit_keys.get_or_create_owned(&StoreLabel { store });
+            let _ = limit_keys_evicted.get_or_create_owned(&StoreLabel { store });
         }
         Self {
             registry,
@@ -276,6 +316,10 @@ impl Metrics {
             delay,
             waiters_abandoned,
             local_keys,
+            limit_keys,
+            limit_keys_evicted,
+            limit_keys_max,
+            eventual_units_lost,
         }
     }
 
@@ -362,6 +406,31 @@ impl Metrics {
     /// Sets the `tollgate_local_keys` gauge: keys the in-process stores hold.
     pub fn set_local_keys(&self, n: usize) {
         self.local_keys.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `tollgate_limit_keys{store}`: keys the in-process stores of that kind hold.
+    pub fn set_limit_keys(&self, store: &'static str, n: usize) {
+        self.limit_keys
+            .get_or_create(&StoreLabel { store })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Adds `n` to `tollgate_limit_keys_evicted_total{store}`.
+    pub fn keys_evicted(&self, store: &'static str, n: u64) {
+        self.limit_keys_evicted
+            .get_or_create(&StoreLabel { store })
+            .inc_by(n);
+    }
+
+    /// Sets `tollgate_limit_keys_max`: the running `server.max_keys`.
+    pub fn set_limit_keys_max(&self, n: usize) {
+        self.limit_keys_max
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Adds `n` to `tollgate_eventual_units_lost_total`.
+    pub fn eventual_units_lost(&self, n: u64) {
+        self.eventual_units_lost.inc_by(n);
     }
 }
 

@@ -65,6 +65,7 @@ pub(super) struct RawServer {
     pub trusted_proxies: Option<Spanned<OneOrMany>>,
     pub grace_period: Option<Text>,
     pub max_waiters: Option<Spanned<u64>>,
+    pub max_keys: Option<Spanned<u64>>,
     pub admin_token: Option<Text>,
     pub tls: Option<Spanned<RawTls>>,
     pub upstream_ca: Option<Text>,

@@ -55,6 +55,7 @@ pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
         DurationText(s.grace_period),
         s.max_waiters
     );
+    let _ = writeln!(out, "keys     {}", key_budget(s.max_keys));
     let upstream_trust = match &s.upstream_ca {
         None => "system roots".to_owned(),
         Some(ca) => format!(
@@ -155,6 +156,53 @@ pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
     }
     for route in &cfg.routes {
         write_route(&mut out, route, now);
+    }
+    out
+}
+
+/// The key budget in words: how many, where the number came from, and what happens past it.
+fn key_budget(max_keys: usize) -> String {
+    use crate::limit::budget::{BYTES_PER_KEY, MEMORY_SHARE, default_max_keys};
+    let d = default_max_keys();
+    let source = if max_keys == d.keys {
+        match d.memory {
+            Some(m) => format!(
+                "default: 1/{MEMORY_SHARE} of {} memory at {BYTES_PER_KEY} B per key",
+                mib(m)
+            ),
+            None => "default: memory unknown, taken as 1 GiB".to_owned(),
+        }
+    } else {
+        format!(
+            "max_keys; about {} at {BYTES_PER_KEY} B per key",
+            mib(max_keys as u64 * BYTES_PER_KEY)
+        )
+    };
+    format!(
+        "at most {} held in process ({source}); past it the keys closest to full go first",
+        thousands(max_keys as u64)
+    )
+}
+
+/// `bytes` as MiB or GiB, one decimal.
+fn mib(bytes: u64) -> String {
+    let mib = bytes as f64 / f64::from(1 << 20);
+    if mib >= 1024.0 {
+        format!("{:.1} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+/// `n` with a comma every three digits.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
     }
     out
 }

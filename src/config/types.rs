@@ -92,6 +92,10 @@ pub struct ServerConfig {
     /// Cap on delayed requests waiting per route, so `on_limit: delay` cannot
     /// pile up unbounded memory and sockets.
     pub max_waiters: usize,
+    /// The most keys the in-process stores hold together (local limits' state, the tier in
+    /// front of Redis, eventual counts); past it, the keys closest to full are evicted first.
+    /// Default: derived from the memory the process may use (`limit::budget`).
+    pub max_keys: usize,
     /// Bearer token for `/admin/*`; `None` leaves them open to whoever reaches
     /// the admin listener.
     #[serde(serialize_with = "serialize_secret")]
@@ -167,6 +171,7 @@ impl Default for ServerConfig {
             trusted_proxies: Vec::new(),
             grace_period: Duration::from_secs(30),
             max_waiters: 1024,
+            max_keys: crate::limit::budget::default_max_keys().keys,
             admin_token: None,
             tls: None,
             upstream_ca: None,

@@ -131,6 +131,9 @@ fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
         max_waiters: raw
             .max_waiters
             .map_or(Ok(defaults.max_waiters), |n| usize_of(&n))?,
+        max_keys: raw
+            .max_keys
+            .map_or(Ok(defaults.max_keys), |n| max_keys(&n))?,
         admin_token,
         tls,
         upstream_ca,
@@ -649,6 +652,22 @@ pub(super) fn positive_duration_or(
         )),
         _ => Ok(d),
     }
+}
+
+/// `server.max_keys`: a whole number of keys, at least [`MIN_MAX_KEYS`](crate::limit::budget::MIN_MAX_KEYS).
+fn max_keys(n: &Spanned<u64>) -> Checked<usize> {
+    let min = crate::limit::budget::MIN_MAX_KEYS;
+    let keys = usize_of(n)?;
+    if keys < min {
+        return Err(Invalid::new(
+            at(n),
+            format!(
+                "max_keys {keys} is too small: give at least {min} (the keys all in-process limit stores hold together; about {} bytes each), or leave it out for a default from the machine's memory",
+                crate::limit::budget::BYTES_PER_KEY
+            ),
+        ));
+    }
+    Ok(keys)
 }
 
 pub(super) fn usize_of(n: &Spanned<u64>) -> Checked<usize> {

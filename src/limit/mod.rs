@@ -25,6 +25,7 @@
 //! against a fake store on a manual clock (`tests/`), one table row per combination.
 
 pub mod algorithm;
+pub mod budget;
 pub mod clock;
 pub mod eventual;
 mod global;

@@ -467,6 +467,8 @@ const COUNTERS: &[&str] = &[
     "tollgate_fallback_decisions",
     "tollgate_config_reloads",
     "tollgate_delayed_abandoned",
+    "tollgate_limit_keys_evicted",
+    "tollgate_eventual_units_lost",
 ];
 const HISTOGRAMS: &[&str] = &[
     "tollgate_request_duration_seconds",
@@ -474,7 +476,11 @@ const HISTOGRAMS: &[&str] = &[
     "tollgate_limiter_duration_seconds",
     "tollgate_delay_seconds",
 ];
-const GAUGES: &[&str] = &["tollgate_local_keys"];
+const GAUGES: &[&str] = &[
+    "tollgate_local_keys",
+    "tollgate_limit_keys",
+    "tollgate_limit_keys_max",
+];
 
 /// Every series name a query may use: counters with `_total`, histograms' `_bucket`, `_sum`,
 /// `_count`, gauges as they are.
