@@ -18,6 +18,7 @@ pub mod key;
 pub mod limit;
 mod listener;
 pub mod metrics;
+pub mod panics;
 mod proxy;
 mod routing;
 mod snapshot;

@@ -16,6 +16,7 @@ mod gateway;
 mod global;
 mod lua_mirror;
 mod packaging;
+mod panics;
 mod redis_cluster;
 mod redis_store;
 mod reload;
