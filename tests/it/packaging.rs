@@ -467,6 +467,7 @@ const COUNTERS: &[&str] = &[
     "tollgate_fallback_decisions",
     "tollgate_config_reloads",
     "tollgate_delayed_abandoned",
+    "tollgate_panics",
 ];
 const HISTOGRAMS: &[&str] = &[
     "tollgate_request_duration_seconds",
@@ -1026,6 +1027,7 @@ async fn image_command_serves_health_and_metrics_without_redis_and_stops_on_sigt
         "tollgate_redis_errors_total",
         "tollgate_fallback_decisions_total",
         "tollgate_config_reloads_total",
+        "tollgate_panics_total",
     ] {
         assert!(
             types.contains_key(family),

@@ -173,7 +173,7 @@ async fn h2_get(h2: &mut H2, addr: SocketAddr, path: &str) -> Result<(u16, Strin
     let req = http::Request::get(format!("http://{addr}{path}"))
         .body(Empty::new())
         .unwrap();
-    let resp = h2.send_request(req).await.map_err(|e| e.to_string())?;
+    let resp = h2.send_request(req).await.map_err(|e| format!("{e:?}"))?;
     let status = resp.status().as_u16();
     let body = resp
         .into_body()
@@ -209,10 +209,9 @@ async fn a_panic_in_one_http2_stream_leaves_the_other_streams_of_its_connection(
     assert!(body.contains("internal_error"), "{body}");
     let cut = h2_get(&mut h2.clone(), addr, PANIC_BODY_PATH).await;
     let err = cut.expect_err("a body cut by a panic is an error, never complete");
-    assert!(
-        err.contains("INTERNAL_ERROR") || err.contains("reset"),
-        "{err}"
-    );
+    // INTERNAL_ERROR: tollgate's catch ended the body in an error (hyper alone, the stream's
+    // task ending in the panic, would reset it with CANCEL, uncounted).
+    assert!(err.contains("INTERNAL_ERROR"), "{err}");
     assert_eq!(in_flight.await.unwrap().unwrap().0, 200);
     assert_eq!(h2_get(&mut h2.clone(), addr, "/echo").await.unwrap().0, 200);
     assert!(!conn.is_finished(), "the connection is still up");
