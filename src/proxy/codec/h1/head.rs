@@ -310,6 +310,14 @@ fn parse_response_in<'b>(
         fields.push(field);
     }
     let no_body = head_request || (100..200).contains(&status) || status == 204 || status == 304;
+    // RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (it has likely
+    // come through something that did not understand the coding). hyper's client, the general
+    // path's, refuses such a response where a body may follow; so does this parser, rather than
+    // read it until the close (found by differential fuzzing,
+    // fuzz/regressions/differential_response/).
+    if version == 0 && te.is_some() && !no_body {
+        return Ok(ParsedResponse::Invalid);
+    }
     // A length only matters where it frames the body (no Transfer-Encoding, a body to come) or
     // announces one (HEAD, 304): a bad one is refused there and dropped elsewhere, as hyper
     // does. 1xx and 204 carry none (RFC 9110 §8.6: an upstream's `0` is not passed on).
@@ -522,6 +530,41 @@ mod tests {
                 panic!("{text:?}");
             };
             assert_eq!(r.reason, 0..0, "{text:?}");
+        }
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_response/): an HTTP/1.0
+    /// response with Transfer-Encoding was read until the close where hyper's client refuses
+    /// it; both now refuse it when a body may follow, and take it when none can.
+    #[test]
+    fn an_http_1_0_response_with_transfer_encoding_and_a_body_is_invalid() {
+        for text in [
+            &b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            b"HTTP/1.0 200\nTrAnsfer-Encoding: ,\t    )\tn'th: \n\n",
+        ] {
+            assert!(matches!(
+                parse_response(text, false, &mut Vec::new()),
+                ParsedResponse::Invalid
+            ));
+        }
+        for (text, head) in [
+            (
+                &b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+                true,
+            ),
+            (
+                b"HTTP/1.0 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+            ),
+            (
+                b"HTTP/1.0 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+            ),
+        ] {
+            let ParsedResponse::Complete(r) = parse_response(text, head, &mut Vec::new()) else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.framing, Framing::Length(0));
         }
     }
 
