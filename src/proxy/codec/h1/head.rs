@@ -333,9 +333,16 @@ fn parse_response_in<'b>(
     let framing = if no_body {
         Framing::Length(0)
     } else if let Some(te) = te {
-        // The final coding decides; anything but chunked runs until the upstream closes.
-        let last = buf[te].rsplit(|b| *b == b',').next().unwrap_or_default();
-        if trimmed(last).eq_ignore_ascii_case(b"chunked") {
+        // The final coding decides; anything but chunked runs until the upstream closes. A value
+        // with a byte beyond visible ASCII names no coding at all, as hyper's client (the general
+        // path's) reads it (`HeaderValue::to_str` fails): until the close too, never chunked
+        // (found by differential fuzzing, fuzz/regressions/differential_response/).
+        let value = &buf[te];
+        let visible = value
+            .iter()
+            .all(|&b| b == b'\t' || (b' '..=b'~').contains(&b));
+        let last = value.rsplit(|b| *b == b',').next().unwrap_or_default();
+        if visible && trimmed(last).eq_ignore_ascii_case(b"chunked") {
             Framing::Chunked(Chunked::new())
         } else {
             Framing::UntilClose
@@ -565,6 +572,28 @@ mod tests {
                 panic!("{text:?}");
             };
             assert_eq!(r.framing, Framing::Length(0));
+        }
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_response/): a
+    /// Transfer-Encoding value with obs-text ending in `chunked` was read as chunked, where
+    /// hyper's client reads no coding in it and the body until the close.
+    #[test]
+    fn a_transfer_encoding_with_obs_text_is_not_chunked() {
+        for (text, framing) in [
+            (
+                &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: g\x86zip, chunked\r\n\r\n"[..],
+                Framing::UntilClose,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip,\tchunked\r\n\r\n",
+                Framing::Chunked(Chunked::new()),
+            ),
+        ] {
+            let ParsedResponse::Complete(r) = parse_response(text, false, &mut Vec::new()) else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.framing, framing, "{text:?}");
         }
     }
 
