@@ -296,7 +296,7 @@ fn parse_response_in<'b>(
             // As hyper's client reads it: a list of one value (`5, 5`), over any fields.
             Name::ContentLength => {
                 for v in h.value.split(|b| *b == b',') {
-                    match (length, parse_length(v)) {
+                    match (length, parse_response_length(v)) {
                         (None, Some(n)) => length = Some(n),
                         (Some(a), Some(b)) if a == b => {}
                         _ => bad_length = true,
@@ -385,12 +385,37 @@ fn trimmed(v: &[u8]) -> &[u8] {
     &v[start..end]
 }
 
+/// A request's `Content-Length`: at most 18 digits (anything longer goes to the general path,
+/// which reads it as hyper does).
 fn parse_length(v: &[u8]) -> Option<u64> {
     let v = trimmed(v);
     if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }
     Some(v.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// The largest body length hyper's client takes (`u64::MAX - 2`; it keeps the last two values
+/// for "chunked" and "until the close").
+const MAX_RESPONSE_LENGTH: u64 = u64::MAX - 2;
+
+/// An upstream's `Content-Length` as hyper's client (the general path's) reads it: any number
+/// of digits, leading zeros included, up to [`MAX_RESPONSE_LENGTH`]. Reading it any other way
+/// would make the two codecs answer the same upstream differently (found by differential
+/// fuzzing: 51 digits, most of them leading zeros).
+fn parse_response_length(v: &[u8]) -> Option<u64> {
+    let v = trimmed(v);
+    if v.is_empty() {
+        return None;
+    }
+    v.iter()
+        .try_fold(0u64, |n, &d| {
+            if !d.is_ascii_digit() {
+                return None;
+            }
+            n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        })
+        .filter(|&n| n <= MAX_RESPONSE_LENGTH)
 }
 
 /// Appends `name: value\r\n`.
@@ -594,6 +619,36 @@ mod tests {
                 panic!("{text:?}");
             };
             assert_eq!(r.framing, framing, "{text:?}");
+        }
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_response/): an upstream's
+    /// length of more than 18 digits (leading zeros) was refused, where hyper's client takes
+    /// any length it can hold.
+    #[test]
+    fn a_response_length_is_read_as_hyper_reads_it() {
+        let length = |v: &str| {
+            let text = format!("HTTP/1.1 200 OK\r\nContent-Length: {v}\r\n\r\n");
+            match parse_response(text.as_bytes(), false, &mut Vec::new()) {
+                ParsedResponse::Complete(r) => Some(r.framing),
+                _ => None,
+            }
+        };
+        let zeros = "0".repeat(40);
+        assert_eq!(length(&format!("{zeros}5")), Some(Framing::Length(5)));
+        assert_eq!(
+            length("18446744073709551613"),
+            Some(Framing::Length(u64::MAX - 2))
+        );
+        for refused in [
+            "18446744073709551614",
+            "18446744073709551616",
+            "99999999999999999999999",
+            "5x",
+            "+5",
+            "",
+        ] {
+            assert_eq!(length(refused), None, "{refused}");
         }
     }
 
