@@ -922,7 +922,7 @@ pub fn differential_response(data: &[u8]) {
         return;
     };
     let head_request = flags & 1 == 1;
-    let fast = fast_response(bytes, head_request);
+    let (fast, strict) = fast_response(bytes, head_request);
     let hyper = hyper_response(Bytes::copy_from_slice(bytes), head_request);
     match (&fast, &hyper) {
         (Answer::Refused, Answer::Refused) => {}
@@ -943,6 +943,9 @@ pub fn differential_response(data: &[u8]) {
             match (fb, hb) {
                 (Some(f), Some(h)) => assert_eq!(f, h, "body"),
                 (None, None) => {}
+                // The one refusal where the fast codec is stricter on purpose (see
+                // `fast_response`): hyper reads on, and re-frames what it read.
+                (None, Some(_)) if strict => {}
                 _ => panic!(
                     "one reads the body to its end, the other not: fast {fb:?}, hyper {hb:?}"
                 ),
@@ -957,15 +960,21 @@ pub fn differential_response(data: &[u8]) {
 /// body by its framing; a body the framing ends before the bytes do stops there (the codec does
 /// not read on), one that needs more than the bytes is cut. A chunked body is passed on as it
 /// came, so what the client decodes is hyper's reading of exactly those bytes.
-fn fast_response(bytes: &[u8], head_request: bool) -> Answer {
+///
+/// The second value: the body was refused at a bare LF inside a trailer line. hyper's decoder
+/// takes such a line to the next CR and its trailer parser ends the section at the bare LF,
+/// ignoring the rest; the general path then re-frames the body (and drops the trailers), so its
+/// client never sees those bytes. The fast codec passes trailers on as they came, and a client
+/// that ends the section at the bare LF would read what follows as a response: it refuses them.
+fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
     let mut fields = Vec::new();
     let mut at = 0;
     let head = loop {
         match parse_response(&bytes[at..], head_request, &mut fields) {
-            ParsedResponse::Complete(h) if h.status == 101 => return Answer::Refused,
+            ParsedResponse::Complete(h) if h.status == 101 => return (Answer::Refused, false),
             ParsedResponse::Complete(h) if h.status < 200 => at += h.len,
             ParsedResponse::Complete(h) => break h,
-            ParsedResponse::Partial | ParsedResponse::Invalid => return Answer::Refused,
+            ParsedResponse::Partial | ParsedResponse::Invalid => return (Answer::Refused, false),
         }
     };
     let buf = &bytes[at..];
@@ -977,8 +986,12 @@ fn fast_response(bytes: &[u8], head_request: bool) -> Answer {
     }
     let rest = &buf[head.len..];
     let mut framing = head.framing.clone();
+    let mut strict = false;
     let body = match framing.advance(rest) {
-        Err(_) => None,
+        Err(_) => {
+            strict = matches!(head.framing, Framing::Chunked(_)) && bare_lf_in_trailer(rest);
+            None
+        }
         Ok(n) if framing.is_done() || framing == Framing::UntilClose => Some(&rest[..n]),
         Ok(_) => None,
     };
@@ -995,11 +1008,24 @@ fn fast_response(bytes: &[u8], head_request: bool) -> Answer {
         }
         _ => Bytes::copy_from_slice(raw),
     });
-    Answer::Head {
+    let answer = Answer::Head {
         status: head.status,
         fields: map,
         body,
+    };
+    (answer, strict)
+}
+
+/// The chunked scanner refuses `body` at a bare LF inside a trailer line.
+fn bare_lf_in_trailer(body: &[u8]) -> bool {
+    let mut c = Chunked::new();
+    for b in body {
+        let before = c.clone();
+        if c.scan(std::slice::from_ref(b)).is_err() {
+            return *b == b'\n' && before.in_trailer_line();
+        }
     }
+    false
 }
 
 /// hyper's client (`http1::Builder` as `connector::http1` builds it) sending a GET (or HEAD)
@@ -1176,11 +1202,23 @@ mod tests {
             let mut data = vec![u8::from(head)];
             data.extend_from_slice(bytes);
             differential_response(&data);
-            let Answer::Head { body: read, .. } = fast_response(bytes, head) else {
+            let (Answer::Head { body: read, .. }, false) = fast_response(bytes, head) else {
                 panic!("refused: {bytes:?}");
             };
             assert_eq!(read.as_deref(), body, "{bytes:?}");
         }
+        // A bare LF in a trailer line: refused by the fast codec, read on by hyper, whose
+        // trailer parser stops at the empty line and leaves `c`.
+        let bare_lf =
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\na: b\n\nc\r\n\r\n";
+        let mut data = vec![0];
+        data.extend_from_slice(bare_lf);
+        differential_response(&data);
+        assert!(fast_response(bare_lf, false).1);
+        assert!(matches!(
+            hyper_response(Bytes::from_static(bare_lf), false),
+            Answer::Head { body: Some(_), .. }
+        ));
         let refused: [&[u8]; 3] = [
             b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
             b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello",
@@ -1190,7 +1228,7 @@ mod tests {
             let mut data = vec![0];
             data.extend_from_slice(bytes);
             differential_response(&data);
-            assert_eq!(fast_response(bytes, false), Answer::Refused, "{bytes:?}");
+            assert_eq!(fast_response(bytes, false).0, Answer::Refused, "{bytes:?}");
         }
     }
 

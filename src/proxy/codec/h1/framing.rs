@@ -121,6 +121,13 @@ impl Chunked {
         self.state == State::Done
     }
 
+    /// Inside a trailer field line (its name or value), where a bare LF is refused: the bytes
+    /// pass on as they came, and a reader that ends the line there would read the rest as
+    /// something else (the fuzz harnesses tell this refusal from others).
+    pub(crate) fn in_trailer_line(&self) -> bool {
+        matches!(self.state, State::TrailerName | State::Trailer)
+    }
+
     /// Consumes from `buf` up to the body's end; returns how many bytes were the body's.
     pub(crate) fn scan(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
         let mut i = 0;
