@@ -961,9 +961,9 @@ pub fn differential_response(data: &[u8]) {
 /// not read on), one that needs more than the bytes is cut. A chunked body is passed on as it
 /// came, so what the client decodes is hyper's reading of exactly those bytes.
 ///
-/// The second value: the body was refused at a bare LF inside a trailer line. hyper's decoder
-/// takes such a line to the next CR and its trailer parser ends the section at the bare LF,
-/// ignoring the rest; the general path then re-frames the body (and drops the trailers), so its
+/// The second value: the body was refused at a bare LF in the trailer section. hyper's decoder
+/// reads on to the next CR and its trailer parser ends the section at the first empty line, a
+/// bare LF one too, ignoring the rest; the general path then re-frames the body (and drops the trailers), so its
 /// client never sees those bytes. The fast codec passes trailers on as they came, and a client
 /// that ends the section at the bare LF would read what follows as a response: it refuses them.
 fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
@@ -989,7 +989,7 @@ fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
     let mut strict = false;
     let body = match framing.advance(rest) {
         Err(_) => {
-            strict = matches!(head.framing, Framing::Chunked(_)) && bare_lf_in_trailer(rest);
+            strict = matches!(head.framing, Framing::Chunked(_)) && bare_lf_in_trailers(rest);
             None
         }
         Ok(n) if framing.is_done() || framing == Framing::UntilClose => Some(&rest[..n]),
@@ -1016,13 +1016,13 @@ fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
     (answer, strict)
 }
 
-/// The chunked scanner refuses `body` at a bare LF inside a trailer line.
-fn bare_lf_in_trailer(body: &[u8]) -> bool {
+/// The chunked scanner refuses `body` at a bare LF in its trailer section.
+fn bare_lf_in_trailers(body: &[u8]) -> bool {
     let mut c = Chunked::new();
     for b in body {
         let before = c.clone();
         if c.scan(std::slice::from_ref(b)).is_err() {
-            return *b == b'\n' && before.in_trailer_line();
+            return *b == b'\n' && before.in_trailers();
         }
     }
     false
@@ -1215,6 +1215,16 @@ mod tests {
         data.extend_from_slice(bare_lf);
         differential_response(&data);
         assert!(fast_response(bare_lf, false).1);
+        // At a line's start too (right after the last chunk, or after a whole trailer line).
+        for bytes in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\nc\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\na: b\r\n\nc\r\n\r\n",
+        ] {
+            let mut data = vec![0];
+            data.extend_from_slice(bytes);
+            differential_response(&data);
+            assert!(fast_response(bytes, false).1, "{bytes:?}");
+        }
         assert!(matches!(
             hyper_response(Bytes::from_static(bare_lf), false),
             Answer::Head { body: Some(_), .. }

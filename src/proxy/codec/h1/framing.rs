@@ -121,11 +121,15 @@ impl Chunked {
         self.state == State::Done
     }
 
-    /// Inside a trailer field line (its name or value), where a bare LF is refused: the bytes
-    /// pass on as they came, and a reader that ends the line there would read the rest as
-    /// something else (the fuzz harnesses tell this refusal from others).
-    pub(crate) fn in_trailer_line(&self) -> bool {
-        matches!(self.state, State::TrailerName | State::Trailer)
+    /// Inside the trailer section (at a line's start, in a name or a value), where a bare LF is
+    /// refused: the bytes pass on as they came, and a reader that ends a line or the section
+    /// there would read the rest as something else (the fuzz harnesses tell this refusal from
+    /// others).
+    pub(crate) fn in_trailers(&self) -> bool {
+        matches!(
+            self.state,
+            State::TrailerStart | State::TrailerName | State::Trailer
+        )
     }
 
     /// Consumes from `buf` up to the body's end; returns how many bytes were the body's.
