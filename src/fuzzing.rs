@@ -943,7 +943,7 @@ pub fn differential_response(data: &[u8]) {
             match (fb, hb) {
                 (Some(f), Some(h)) => assert_eq!(f, h, "body"),
                 (None, None) => {}
-                // The one refusal where the fast codec is stricter on purpose (see
+                // The refusals where the fast codec's scanner is stricter on purpose (see
                 // `fast_response`): hyper reads on, and re-frames what it read.
                 (None, Some(_)) if strict => {}
                 _ => panic!(
@@ -961,11 +961,11 @@ pub fn differential_response(data: &[u8]) {
 /// not read on), one that needs more than the bytes is cut. A chunked body is passed on as it
 /// came, so what the client decodes is hyper's reading of exactly those bytes.
 ///
-/// The second value: the body was refused at a bare LF in the trailer section. hyper's decoder
-/// reads on to the next CR and its trailer parser ends the section at the first empty line, a
-/// bare LF one too, ignoring the rest; the general path then re-frames the body (and drops the trailers), so its
-/// client never sees those bytes. The fast codec passes trailers on as they came, and a client
-/// that ends the section at the bare LF would read what follows as a response: it refuses them.
+/// The second value: the chunked body was refused where the scanner is stricter than hyper on
+/// purpose ([`Chunked::stricter_than_hyper`]): hyper reads on and the general path re-frames
+/// the body for its client, while the fast codec passes the bytes on as they came, so it
+/// refuses what a client might read otherwise (a bare LF in the trailers, which hyper's
+/// trailer parser takes as their end, ignoring the rest; a NUL in an extension).
 fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
     let mut fields = Vec::new();
     let mut at = 0;
@@ -989,7 +989,7 @@ fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
     let mut strict = false;
     let body = match framing.advance(rest) {
         Err(_) => {
-            strict = matches!(head.framing, Framing::Chunked(_)) && bare_lf_in_trailers(rest);
+            strict = matches!(head.framing, Framing::Chunked(_)) && refused_as_stricter(rest);
             None
         }
         Ok(n) if framing.is_done() || framing == Framing::UntilClose => Some(&rest[..n]),
@@ -1016,13 +1016,14 @@ fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
     (answer, strict)
 }
 
-/// The chunked scanner refuses `body` at a bare LF in its trailer section.
-fn bare_lf_in_trailers(body: &[u8]) -> bool {
+/// The chunked scanner refuses `body` where it is stricter than hyper on purpose
+/// ([`Chunked::stricter_than_hyper`]).
+fn refused_as_stricter(body: &[u8]) -> bool {
     let mut c = Chunked::new();
     for b in body {
         let before = c.clone();
         if c.scan(std::slice::from_ref(b)).is_err() {
-            return *b == b'\n' && before.in_trailers();
+            return before.stricter_than_hyper(*b);
         }
     }
     false
@@ -1225,6 +1226,23 @@ mod tests {
             differential_response(&data);
             assert!(fast_response(bytes, false).1, "{bytes:?}");
         }
+        // A NUL in an extension, 17 size digits: hyper reads both.
+        for bytes in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0;a\x00b\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n00000000000000000\r\n\r\n",
+        ] {
+            let mut data = vec![0];
+            data.extend_from_slice(bytes);
+            differential_response(&data);
+            assert!(fast_response(bytes, false).1, "{bytes:?}");
+            assert!(matches!(
+                hyper_response(Bytes::copy_from_slice(bytes), false),
+                Answer::Head { body: Some(_), .. }
+            ));
+        }
+        // A chunk line the scanner refuses for what hyper refuses too is no strictness.
+        let both = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5x\r\nhello\r\n0\r\n\r\n";
+        assert!(!fast_response(both, false).1);
         assert!(matches!(
             hyper_response(Bytes::from_static(bare_lf), false),
             Answer::Head { body: Some(_), .. }
