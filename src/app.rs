@@ -181,14 +181,29 @@ impl App {
         // stay readable; units admitted during it are pushed); they stop once the proxy
         // listener is done.
         let (after_drain, drained) = tokio::sync::watch::channel(false);
-        let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
-        let resets = tokio::spawn(follow_resets(shared.clone(), stop_rx.clone()));
-        let syncer = tokio::spawn(sync_eventual(shared.clone(), drained.clone()));
-        let watcher = shared
-            .options
-            .config_path
-            .clone()
-            .map(|path| tokio::spawn(watch(shared.clone(), path, stop_rx.clone())));
+        let sweeper = background("sweep", &shared, {
+            let (shared, stop) = (shared.clone(), stop_rx.clone());
+            move || sweep(shared.clone(), stop.clone())
+        });
+        let resets = background("resets", &shared, {
+            let (shared, stop) = (shared.clone(), stop_rx.clone());
+            move || follow_resets(shared.clone(), stop.clone())
+        });
+        let syncer = background("eventual_sync", &shared, {
+            let (shared, stop) = (shared.clone(), drained.clone());
+            move || sync_eventual(shared.clone(), stop.clone())
+        });
+        let watcher = shared.options.config_path.clone().map(|path| {
+            background("config_watch", &shared, {
+                let (shared, stop) = (shared.clone(), stop_rx.clone());
+                let mut restarted = false;
+                move || {
+                    let run = watch(shared.clone(), path.clone(), stop.clone(), restarted);
+                    restarted = true;
+                    run
+                }
+            })
+        });
         let admin = {
             let router = crate::admin::router(shared.clone());
             let mut rx = drained;
@@ -254,6 +269,18 @@ fn log_key_budget(max_keys: usize) {
     }
 }
 
+/// Spawns a background task that `start` makes, restarted after a panic (`crate::panics`:
+/// counted under `task`, logged, started again a second later), so a bug met once does not
+/// silently stop limit syncs, sweeps or config reloads for the rest of the process's life.
+fn background<F, Fut>(task: &'static str, shared: &Shared, start: F) -> tokio::task::JoinHandle<()>
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let metrics = shared.gateway.metrics.clone();
+    tokio::spawn(crate::panics::supervise(task, metrics, start))
+}
+
 /// Forgets in process the keys a reset names, wherever it was made (the admin API's `DELETE`
 /// on any instance publishes it on Redis), so this instance's in-process tier does not go on
 /// rejecting a key that is full again. Follows the store a reload swaps in.
@@ -306,8 +333,14 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
     }
 }
 
-/// Reloads when the config file changes on disk.
-async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// Reloads when the config file changes on disk. `restarted`: this watcher replaces one that
+/// panicked, so it reloads once first, in case the file changed while none was watching.
+async fn watch(
+    shared: Arc<Shared>,
+    path: PathBuf,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    restarted: bool,
+) {
     let mut w = match crate::config::watch::ConfigWatch::new(&path) {
         Ok(w) => w,
         Err(e) => {
@@ -315,12 +348,17 @@ async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch:
             return;
         }
     };
+    if restarted {
+        let _ = shared.reload().await;
+    }
     loop {
         w.also_watch(&shared.gateway.snapshot.load().config.files_read());
         tokio::select! {
             _ = w.changed() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+        #[cfg(feature = "panic-injection")]
+        crate::panics::inject::once("config_watch", &path.to_string_lossy());
         // A refused file is logged and counted inside reload; the running config stays.
         let _ = shared.reload().await;
     }
@@ -369,6 +407,8 @@ async fn sync_limit(
     now: crate::limit::algorithm::Micros,
 ) {
     let Some(ev) = &l.eventual else { return };
+    #[cfg(feature = "panic-injection")]
+    crate::panics::inject::once("eventual_sync", &l.name);
     ev.last_sync
         .store(now, std::sync::atomic::Ordering::Relaxed);
     let items = ev.due(now);

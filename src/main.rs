@@ -189,6 +189,8 @@ fn log_time_now() -> String {
 fn run(args: RunArgs) -> ExitCode {
     let format = args.log_format.unwrap_or(LogFormat::Text);
     init_logging(format);
+    // Panics through the log, once each (`tollgate::panics`).
+    tollgate::panics::install_hook();
     let rt = match runtime_builder().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -249,6 +251,7 @@ async fn serve(args: RunArgs) -> Result<(), AppError> {
     .await?;
     tracing::info!(proxy = %app.proxy_addr(), admin = %app.admin_addr(), "tollgate listening");
     let shared = app.shared();
+    tollgate::panics::count_uncaught_in(shared.gateway.metrics.clone());
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
         let Ok(mut hup) = signal(SignalKind::hangup()) else {

@@ -150,6 +150,23 @@ struct StoreLabel {
 /// (`limit::budget::StoreKind`), so their series exist from the start.
 pub const KEY_STORES: [&str; 3] = ["local", "deny_tier", "eventual"];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TaskLabel {
+    task: &'static str,
+}
+
+/// The `task` values of `tollgate_panics_total`, each a series from the start: one request's
+/// phases, one client connection outside them, the background tasks, and anything else.
+pub const PANIC_TASKS: [&str; 7] = [
+    "request",
+    "connection",
+    "sweep",
+    "resets",
+    "eventual_sync",
+    "config_watch",
+    "other",
+];
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// The process's metrics. Cheap to share (`Arc`); families are internally synchronised.
@@ -165,6 +182,7 @@ pub struct Metrics {
     redis_errors: Family<KindLabel, Counter>,
     fallback: Family<RouteLimit, Counter>,
     reloads: Family<ResultLabel, Counter>,
+    panics: Family<TaskLabel, Counter>,
     delay: HistogramFamily<RouteLimit>,
     waiters_abandoned: Family<RouteLimit, Counter>,
     local_keys: Gauge,
@@ -196,6 +214,7 @@ impl Metrics {
         let redis_errors = Family::default();
         let fallback = Family::default();
         let reloads = Family::default();
+        let panics = Family::default();
         let delay: HistogramFamily<RouteLimit> = Family::new_with_constructor(Histogram::latency);
         let waiters_abandoned = Family::default();
         let local_keys = Gauge::default();
@@ -250,6 +269,11 @@ impl Metrics {
             reloads.clone(),
         );
         registry.register(
+            "tollgate_panics",
+            "Panics caught, by what was running: the request or connection it ended, or the background task it restarted",
+            panics.clone(),
+        );
+        registry.register(
             "tollgate_delay_seconds",
             "Delay given to requests that waited for a reserved slot",
             delay.clone(),
@@ -302,6 +326,9 @@ impl Metrics {
             let _ = limit_keys.get_or_create_owned(&StoreLabel { store });
             let _ = limit_keys_evicted.get_or_create_owned(&StoreLabel { store });
         }
+        for task in PANIC_TASKS {
+            let _ = panics.get_or_create_owned(&TaskLabel { task });
+        }
         Self {
             registry,
             requests,
@@ -313,6 +340,7 @@ impl Metrics {
             redis_errors,
             fallback,
             reloads,
+            panics,
             delay,
             waiters_abandoned,
             local_keys,
@@ -401,6 +429,11 @@ impl Metrics {
     pub fn reload(&self, ok: bool) {
         let result = if ok { "success" } else { "error" };
         self.reloads.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// Counts one panic caught in `task` (one of [`PANIC_TASKS`]) in `tollgate_panics_total`.
+    pub fn panicked(&self, task: &'static str) {
+        self.panics.get_or_create(&TaskLabel { task }).inc();
     }
 
     /// Sets the `tollgate_local_keys` gauge: keys the in-process stores hold.

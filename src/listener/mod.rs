@@ -17,6 +17,7 @@ use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 
+use crate::metrics::Metrics;
 use crate::proxy::Gateway;
 use crate::proxy::codec::general;
 
@@ -71,21 +72,22 @@ pub(crate) async fn serve(
                 let conn =
                     general::serve_one(&builder, TokioIo::new(stream), gateway.clone(), peer);
                 let conn = graceful.watch(conn);
-                let gateway = gateway.clone();
-                tokio::spawn(async move {
+                let g = gateway.clone();
+                tokio::spawn(supervised(gateway.metrics.clone(), peer, async move {
                     if let Err(e) = conn.await {
-                        general::ended_with(&gateway, peer, &*e);
+                        general::ended_with(&g, peer, &*e);
                     }
-                });
+                }));
                 continue;
             }
-            tokio::spawn(crate::proxy::codec::h1::serve(
+            let conn = crate::proxy::codec::h1::serve(
                 gateway.clone(),
                 stream,
                 peer,
                 plain.clone(),
                 graceful.watcher(),
-            ));
+            );
+            tokio::spawn(supervised(gateway.metrics.clone(), peer, conn));
             continue;
         };
         match &gateway.snapshot.load().config.server.tls {
@@ -99,14 +101,15 @@ pub(crate) async fn serve(
             None => {}
         }
         let acceptor = TlsAcceptor::from(current.clone());
-        tokio::spawn(serve_tls(
+        let conn = serve_tls(
             acceptor,
             stream,
             builder.clone(),
             gateway.clone(),
             peer,
             graceful.watcher(),
-        ));
+        );
+        tokio::spawn(supervised(gateway.metrics.clone(), peer, conn));
     }
     drop(listener);
     // Plain connections on the fast path hold a watcher each (so the count and the wait below
@@ -130,6 +133,24 @@ pub(crate) async fn serve(
             );
             open + tunnels.count()
         }
+    }
+}
+
+/// One client connection's task, whichever codec serves it. A panic its requests' own catches
+/// did not take (the fast codec reading a head, hyper's connection state machine, a TLS
+/// handshake) ends this future, which closes this connection alone; it is counted and logged
+/// once, with the peer (`crate::panics`). Cheaper than a second task per connection awaiting
+/// the first's `JoinHandle`: no spawn, a few instructions per poll (docs/benchmarks.md).
+async fn supervised(metrics: Arc<Metrics>, peer: SocketAddr, conn: impl Future<Output = ()>) {
+    if let Err(p) = crate::panics::catch(conn).await {
+        metrics.panicked("connection");
+        tracing::error!(
+            %peer,
+            panic = %p.message,
+            location = p.location(),
+            backtrace = p.backtrace.as_deref(),
+            "a panic closed a client connection"
+        );
     }
 }
 
@@ -157,5 +178,27 @@ async fn serve_tls(
     let conn = general::serve_one(&builder, TokioIo::new(stream), gateway.clone(), peer);
     if let Err(e) = watcher.watch(conn).await {
         general::ended_with(&gateway, peer, &*e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_in_a_connection_ends_its_task_normally_and_is_counted() {
+        let metrics = Arc::new(Metrics::new());
+        let peer: SocketAddr = "192.0.2.1:40000".parse().unwrap();
+        let conn = async {
+            tokio::task::yield_now().await;
+            panic!("in the connection");
+        };
+        let task = tokio::spawn(supervised(metrics.clone(), peer, conn));
+        task.await.expect("the panic stays inside supervised");
+        let text = metrics.encode(crate::metrics::Format::Text);
+        assert!(
+            text.contains("tollgate_panics_total{task=\"connection\"} 1"),
+            "{text}"
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! on it too.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Instant;
 
 use crate::metrics::Histogram;
@@ -18,6 +19,10 @@ pub(crate) struct ExchangeEnd {
     /// Index of the route, once routed; `None` counts under `_unmatched`.
     route: Option<usize>,
     started: Instant,
+    /// The status whose head went out (0: none yet), so a panic caught later knows whether a
+    /// 500 can still be sent. An atomic because the fast codec lends the guard out by `&`
+    /// across awaits; a relaxed store is a plain store.
+    answered: AtomicU16,
     /// Set once ended, so the drop does nothing more.
     ended: bool,
 }
@@ -30,6 +35,7 @@ impl ExchangeEnd {
             snapshot,
             route: None,
             started,
+            answered: AtomicU16::new(0),
             ended: false,
         }
     }
@@ -55,10 +61,17 @@ impl ExchangeEnd {
     /// The answer's head went out with `status`: counted in `tollgate_requests_total`.
     #[inline]
     pub(crate) fn answered(&self, status: u16) {
+        self.answered.store(status, Ordering::Relaxed);
         match self.route {
             Some(i) => self.snapshot.routes[i].metrics.request(status),
             None => self.snapshot.unmatched.request(status),
         }
+    }
+
+    /// Whether an answer's head has gone out (or is going: [`Self::answered`] comes first).
+    #[inline]
+    pub(crate) fn is_answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed) != 0
     }
 
     /// Ends the exchange at `now` (a clock read the caller needed anyway).

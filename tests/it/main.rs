@@ -18,6 +18,7 @@ mod global;
 mod key_flood;
 mod lua_mirror;
 mod packaging;
+mod panics;
 mod plans;
 mod redis_cluster;
 mod redis_store;

@@ -469,6 +469,7 @@ const COUNTERS: &[&str] = &[
     "tollgate_delayed_abandoned",
     "tollgate_limit_keys_evicted",
     "tollgate_eventual_units_lost",
+    "tollgate_panics",
 ];
 const HISTOGRAMS: &[&str] = &[
     "tollgate_request_duration_seconds",
@@ -1032,6 +1033,7 @@ async fn image_command_serves_health_and_metrics_without_redis_and_stops_on_sigt
         "tollgate_redis_errors_total",
         "tollgate_fallback_decisions_total",
         "tollgate_config_reloads_total",
+        "tollgate_panics_total",
     ] {
         assert!(
             types.contains_key(family),

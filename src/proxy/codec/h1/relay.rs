@@ -80,6 +80,8 @@ pub(super) async fn relay(
             _ => return Err(Cut::Upstream),
         }
         let n = framing.advance(ubuf).map_err(|_| Cut::Malformed)?;
+        #[cfg(feature = "panic-injection")]
+        crate::panics::inject::body(&ubuf[..n]);
         let sent = if rechunk {
             out.clear();
             push_body(out, &ubuf[..n], true);
