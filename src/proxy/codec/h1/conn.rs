@@ -16,6 +16,9 @@ use crate::proxy::error::{ProxyError, rescue};
 use crate::proxy::exchange::ExchangeEnd;
 use crate::proxy::response::push_u64;
 
+/// How long a TLS close waits to write its `close_notify`.
+const CLOSE_NOTIFY_TIMEOUT: Duration = Duration::from_secs(2);
+
 impl<S: ClientIo> Conn<S> {
     /// Serves requests until the connection closes; returns the bytes to hand to the general
     /// path with the connection, if it came to that.
@@ -28,7 +31,14 @@ impl<S: ClientIo> Conn<S> {
         loop {
             let head = match self.read_head(stopped.as_mut()).await {
                 ReadHead::Head(h) => h,
-                ReadHead::Closed => return None,
+                ReadHead::Closed => {
+                    if S::TLS {
+                        // Idle, drained, or the client closed: TLS says so before the socket
+                        // closes (a plain socket's close says it by itself).
+                        self.close(false).await;
+                    }
+                    return None;
+                }
                 ReadHead::General => return Some(self.rbuf.split().freeze()),
             };
             match self.handle(head).await {
@@ -179,7 +189,10 @@ impl<S: ClientIo> Conn<S> {
         if head.method != Method::HEAD {
             out.extend_from_slice(body);
         }
-        if self.client.write_all(&self.out).await.is_err() {
+        if super::send(&mut self.client, &self.out, S::TLS)
+            .await
+            .is_err()
+        {
             return Step::Close { linger: false };
         }
         if close {
@@ -193,7 +206,13 @@ impl<S: ClientIo> Conn<S> {
     /// be sending is read off for a moment first, so the close does not reset the connection
     /// before the client has read the response.
     pub(super) async fn close(&mut self, linger: bool) {
-        let _ = self.client.shutdown().await;
+        if S::TLS {
+            // `close_notify` is a write: a client that reads nothing more must not hold the
+            // task.
+            let _ = tokio::time::timeout(CLOSE_NOTIFY_TIMEOUT, self.client.shutdown()).await;
+        } else {
+            let _ = self.client.shutdown().await;
+        }
         if linger {
             let drain = async {
                 let mut left = DISCARD_MAX;

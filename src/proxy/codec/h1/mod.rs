@@ -41,9 +41,10 @@ use bytes::{Bytes, BytesMut};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::Watcher;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
+use tokio_rustls::server::TlsStream;
 
 use self::head::{Field, RequestHead};
 use self::rewind::Rewind;
@@ -62,8 +63,9 @@ const DISCARD_MAX: usize = 1 << 20;
 const WAIT_READ_MAX: usize = 64 * 1024;
 
 /// A client connection the fast codec serves: a byte stream whose read and write halves can be
-/// borrowed apart for one exchange (both directions at once). A `TcpStream` in production; an
-/// in-memory pipe in this module's tests.
+/// borrowed apart for one exchange (both directions at once). A `TcpStream` (plain) or a
+/// rustls `TlsStream` over one (TLS, ALPN `http/1.1` or none) in production; an in-memory pipe
+/// in this module's tests.
 pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// The read half, borrowed.
     type Reader<'a>: AsyncRead + Unpin + Send
@@ -73,6 +75,11 @@ pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     type Writer<'a>: AsyncWrite + Unpin + Send
     where
         Self: 'a;
+    /// The stream is TLS: a write may leave records in rustls's buffer that only a flush sends
+    /// (the codec flushes after each write that ends what it has to say for now), and a close
+    /// is announced (`close_notify`) however the connection ends. False for a socket, so the
+    /// plain path pays for neither.
+    const TLS: bool = false;
     /// Both halves, borrowed apart (for a `TcpStream`, without a lock).
     fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>);
 }
@@ -86,6 +93,29 @@ impl ClientIo for TcpStream {
     }
 }
 
+/// A TLS connection: reading and writing both go through the one rustls session, so the halves
+/// share it under tokio's `split` lock (an uncontended atomic per poll). They are only taken
+/// while a request body and its response are relayed at once; every other step borrows the
+/// stream whole.
+impl ClientIo for TlsStream<TcpStream> {
+    type Reader<'a> = tokio::io::ReadHalf<&'a mut TlsStream<TcpStream>>;
+    type Writer<'a> = tokio::io::WriteHalf<&'a mut TlsStream<TcpStream>>;
+    const TLS: bool = true;
+
+    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>) {
+        tokio::io::split(self)
+    }
+}
+
+/// Writes all of `bytes` to the client and, on TLS, flushes them out.
+async fn send<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8], tls: bool) -> io::Result<()> {
+    w.write_all(bytes).await?;
+    if tls {
+        w.flush().await?;
+    }
+    Ok(())
+}
+
 /// What the listener gives each plain connection.
 #[derive(Clone)]
 pub(crate) struct Control {
@@ -95,7 +125,8 @@ pub(crate) struct Control {
     pub stop: watch::Receiver<bool>,
 }
 
-/// Serves one plain TCP connection; `watcher` counts it for the drain.
+/// Serves one client connection (plain TCP, or TLS after its handshake); `watcher` counts it
+/// for the drain.
 pub(crate) async fn serve<S: ClientIo>(
     gateway: Arc<Gateway>,
     stream: S,

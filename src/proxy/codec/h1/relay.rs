@@ -1,6 +1,8 @@
 //! Bodies in flight on the fast codec: the request body pumped to the upstream, the response
 //! body relayed to the client, and both at once while the request body is still coming.
 
+use std::future::poll_fn;
+
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -8,7 +10,7 @@ use tokio::net::TcpStream;
 use super::client::read_more;
 use super::framing::Framing;
 use super::write::push_body;
-use super::{ClientIo, Failure, WAIT_READ_MAX};
+use super::{ClientIo, Failure, WAIT_READ_MAX, send};
 
 /// Why a body in flight was cut: the client must see it end badly, never as complete.
 #[derive(Debug, thiserror::Error)]
@@ -58,21 +60,20 @@ impl Pump {
 
 /// Copies the rest of a response body (its framing says when it ends) to the client, after
 /// what `out` holds (the head and the body bytes that came with it).
-pub(super) async fn relay(
-    client: &mut (impl AsyncWrite + Unpin),
+pub(super) async fn relay<C: ClientIo>(
+    client: &mut C,
     up: &mut TcpStream,
     ubuf: &mut BytesMut,
     out: &mut Vec<u8>,
     framing: &mut Framing,
     rechunk: bool,
 ) -> Result<(), Cut> {
-    client.write_all(out).await.map_err(|_| Cut::Client)?;
+    send(client, out, C::TLS).await.map_err(|_| Cut::Client)?;
     while !framing.is_done() {
         ubuf.clear();
         match read_more(up, ubuf).await {
             Ok(0) if rechunk => {
-                return client
-                    .write_all(b"0\r\n\r\n")
+                return send(client, b"0\r\n\r\n", C::TLS)
                     .await
                     .map_err(|_| Cut::Client);
             }
@@ -83,9 +84,9 @@ pub(super) async fn relay(
         let sent = if rechunk {
             out.clear();
             push_body(out, &ubuf[..n], true);
-            client.write_all(out).await
+            send(client, out, C::TLS).await
         } else {
-            client.write_all(&ubuf[..n]).await
+            send(client, &ubuf[..n], C::TLS).await
         };
         sent.map_err(|_| Cut::Client)?;
         ubuf.advance(n);
@@ -113,8 +114,11 @@ pub(super) async fn relay_duplex<C: ClientIo>(
     let (mut ur, mut uw) = up.split();
     let mut written = 0;
     let mut done = framing.is_done();
+    // Bytes the client's stream took but may still hold (TLS): flushed before the next read
+    // from the upstream, and before the end.
+    let mut unflushed = false;
     loop {
-        if written == out.len() {
+        if written == out.len() && !unflushed {
             out.clear();
             written = 0;
             if done {
@@ -125,6 +129,7 @@ pub(super) async fn relay_duplex<C: ClientIo>(
         let sending = !pump.broken && !pump.pending.is_empty();
         let wants = pump.wants(body) && rbuf.len() < WAIT_READ_MAX;
         let flushing = written < out.len();
+        let flush = C::TLS && unflushed && !flushing;
         tokio::select! {
             r = uw.write(&pump.pending), if sending => match r {
                 Ok(n) if n > 0 => pump.pending.advance(n),
@@ -134,11 +139,23 @@ pub(super) async fn relay_duplex<C: ClientIo>(
                 Ok(n) if n > 0 => {}
                 _ => return Err(Cut::Client),
             },
-            r = cw.write(&out[written..]), if flushing => match r {
-                Ok(n) if n > 0 => written += n,
+            // One branch writes, or flushes once all is written: both need the write half.
+            r = poll_fn(|cx| {
+                let w = std::pin::Pin::new(&mut cw);
+                if flushing {
+                    w.poll_write(cx, &out[written..]).map_ok(Some)
+                } else {
+                    w.poll_flush(cx).map_ok(|()| None)
+                }
+            }), if flushing || flush => match r {
+                Ok(Some(n)) if n > 0 => {
+                    written += n;
+                    unflushed = C::TLS;
+                }
+                Ok(None) => unflushed = false,
                 _ => return Err(Cut::Client),
             },
-            r = read_more(&mut ur, ubuf), if !flushing && !done => {
+            r = read_more(&mut ur, ubuf), if !flushing && !flush && !done => {
                 match r {
                     Ok(0) if rechunk => {
                         out.extend_from_slice(b"0\r\n\r\n");
