@@ -368,6 +368,53 @@ async fn tls_sessions_resume_across_reloads_with_x25519_and_aes_128_gcm() {
     }
 }
 
+/// OpenSSL-based clients (wrk, many libraries) given `https://127.0.0.1/` put the address in
+/// SNI, which rustls ignores (RFC 6066 allows host names only) and warned about, a line per
+/// connection: the binary at `RUST_LOG=warn` serves such a client and logs nothing about it.
+#[tokio::test]
+async fn an_ip_address_in_sni_is_ignored_without_a_log_line_per_connection() {
+    use crate::support::process::Proc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let dir = TempDir::new();
+    let files = pki.write(&dir.path);
+    let up = Upstream::start().await;
+    let yaml = format!(
+        "server:\n  listen: 127.0.0.1:PROXY_PORT\n  admin: 127.0.0.1:ADMIN_PORT\n  tls:\n    cert: {}\n    key: {}\nroutes:\n  - name: r\n    upstream: {}\n",
+        files.cert.display(),
+        files.key.display(),
+        up.url()
+    );
+    let mut p = Proc::start(&yaml, &[], &[], true).await;
+    let addr: std::net::SocketAddr = p.proxy.trim_start_matches("http://").parse().unwrap();
+    // rustls' client never sends an address as SNI: its ClientHello for a name of the same
+    // length, with the name's bytes replaced.
+    let mut hello = Vec::new();
+    let mut c = rustls::ClientConnection::new(
+        Arc::new(client_config(&pki.ca_der)),
+        "abc.def.g".try_into().unwrap(),
+    )
+    .unwrap();
+    c.write_tls(&mut hello).unwrap();
+    let at = hello.windows(9).position(|w| w == b"abc.def.g").unwrap();
+    hello[at..at + 9].copy_from_slice(b"127.0.0.1");
+    for _ in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&hello).await.unwrap();
+        // A handshake record back: the hello was read and answered.
+        let mut first = [0u8; 1];
+        s.read_exact(&mut first).await.unwrap();
+        assert_eq!(first[0], 0x16, "a TLS handshake record");
+    }
+    let n = tls_get(addr, Arc::new(client_config(&pki.ca_der)), "/echo").await;
+    assert!(n.response.starts_with("HTTP/1.1 200 "), "{}", n.response);
+    p.signal("TERM");
+    assert!(p.exited_ok().await);
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(p.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!stderr.contains("SNI"), "{stderr}");
+}
+
 #[tokio::test]
 async fn failed_handshakes_cost_only_their_connection() {
     let pki = Pki::new();
