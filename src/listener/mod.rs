@@ -81,7 +81,7 @@ pub(crate) async fn serve(
             }
             tokio::spawn(h1::serve(
                 gateway.clone(),
-                stream,
+                h1::Stream::Plain(stream),
                 peer,
                 plain.clone(),
                 graceful.watcher(),
@@ -158,6 +158,7 @@ async fn serve_tls(
     };
     let h2 = stream.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
     if !h2 && gateway.snapshot.load().config.server.fast_path {
+        let stream = h1::Stream::Tls(Box::new(stream));
         h1::serve(gateway, stream, peer, plain, watcher).await;
         return;
     }

@@ -26,10 +26,12 @@ pub(crate) mod framing;
 pub(crate) mod head;
 mod relay;
 mod rewind;
+mod stream;
 #[cfg(test)]
 mod tests;
 pub(crate) mod timer;
 mod write;
+pub(crate) use stream::Stream;
 pub(crate) use write::upstream_head;
 
 use std::io;
@@ -41,10 +43,8 @@ use bytes::{Bytes, BytesMut};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::Watcher;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
-use tokio_rustls::server::TlsStream;
 
 use self::head::{Field, RequestHead};
 use self::rewind::Rewind;
@@ -63,9 +63,8 @@ const DISCARD_MAX: usize = 1 << 20;
 const WAIT_READ_MAX: usize = 64 * 1024;
 
 /// A client connection the fast codec serves: a byte stream whose read and write halves can be
-/// borrowed apart for one exchange (both directions at once). A `TcpStream` (plain) or a
-/// rustls `TlsStream` over one (TLS, ALPN `http/1.1` or none) in production; an in-memory pipe
-/// in this module's tests.
+/// borrowed apart for one exchange (both directions at once). [`Stream`] (plain TCP or TLS) in
+/// production; an in-memory pipe in this module's tests.
 pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// The read half, borrowed.
     type Reader<'a>: AsyncRead + Unpin + Send
@@ -77,43 +76,12 @@ pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
         Self: 'a;
     /// The stream is TLS: a write may leave records in rustls's buffer that only a flush sends
     /// (the codec flushes after each write that ends what it has to say for now), and a close
-    /// is announced (`close_notify`) however the connection ends. False for a socket, so the
-    /// plain path pays for neither.
-    const TLS: bool = false;
-    /// Both halves, borrowed apart (for a `TcpStream`, without a lock).
+    /// is announced (`close_notify`) however the connection ends.
+    fn is_tls(&self) -> bool {
+        false
+    }
+    /// Both halves, borrowed apart (for a socket, without a lock).
     fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>);
-}
-
-impl ClientIo for TcpStream {
-    type Reader<'a> = tokio::net::tcp::ReadHalf<'a>;
-    type Writer<'a> = tokio::net::tcp::WriteHalf<'a>;
-
-    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>) {
-        self.split()
-    }
-}
-
-/// A TLS connection: reading and writing both go through the one rustls session, so the halves
-/// share it under tokio's `split` lock (an uncontended atomic per poll). They are only taken
-/// while a request body and its response are relayed at once; every other step borrows the
-/// stream whole.
-impl ClientIo for TlsStream<TcpStream> {
-    type Reader<'a> = tokio::io::ReadHalf<&'a mut TlsStream<TcpStream>>;
-    type Writer<'a> = tokio::io::WriteHalf<&'a mut TlsStream<TcpStream>>;
-    const TLS: bool = true;
-
-    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>) {
-        tokio::io::split(self)
-    }
-}
-
-/// Writes all of `bytes` to the client and, on TLS, flushes them out.
-async fn send<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8], tls: bool) -> io::Result<()> {
-    w.write_all(bytes).await?;
-    if tls {
-        w.flush().await?;
-    }
-    Ok(())
 }
 
 /// What the listener gives each plain connection.
@@ -150,8 +118,15 @@ pub(crate) async fn serve<S: ClientIo>(
         idle_from: tokio::time::Instant::now(),
         route_timer: LazyTimer::new(),
     };
-    let Some(prefix) = conn.run().await else {
-        return;
+    let prefix = match conn.run().await {
+        Ended::General(prefix) => prefix,
+        Ended::Quiet if conn.client.is_tls() => {
+            // Idle, drained, or the client closed: TLS says so before the socket closes (a
+            // plain socket's close says it by itself).
+            conn.close(false).await;
+            return;
+        }
+        Ended::Quiet | Ended::Closed => return,
     };
     let io = Rewind {
         prefix,
@@ -186,6 +161,17 @@ struct Conn<S> {
     idle_from: tokio::time::Instant,
     /// The route timeout of the exchange in progress.
     route_timer: LazyTimer,
+}
+
+/// How a connection's loop ended.
+enum Ended {
+    /// Closed after its last answer ([`Conn::close`]).
+    Closed,
+    /// Between requests, with nothing to answer: the client closed, idled out, or the listener
+    /// drains; nothing was said to the client.
+    Quiet,
+    /// Handed to the general path from these bytes on.
+    General(Bytes),
 }
 
 enum Step {

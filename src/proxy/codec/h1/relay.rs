@@ -10,7 +10,7 @@ use tokio::net::TcpStream;
 use super::client::read_more;
 use super::framing::Framing;
 use super::write::push_body;
-use super::{ClientIo, Failure, WAIT_READ_MAX, send};
+use super::{ClientIo, Failure, WAIT_READ_MAX};
 
 /// Why a body in flight was cut: the client must see it end badly, never as complete.
 #[derive(Debug, thiserror::Error)]
@@ -68,14 +68,25 @@ pub(super) async fn relay<C: ClientIo>(
     framing: &mut Framing,
     rechunk: bool,
 ) -> Result<(), Cut> {
-    send(client, out, C::TLS).await.map_err(|_| Cut::Client)?;
+    // Each write is followed by a flush on TLS, written out at each write rather than in a
+    // helper: the plain path pays no extra future for it.
+    let tls = client.is_tls();
+    client.write_all(out).await.map_err(|_| Cut::Client)?;
+    if tls {
+        client.flush().await.map_err(|_| Cut::Client)?;
+    }
     while !framing.is_done() {
         ubuf.clear();
         match read_more(up, ubuf).await {
             Ok(0) if rechunk => {
-                return send(client, b"0\r\n\r\n", C::TLS)
+                client
+                    .write_all(b"0\r\n\r\n")
                     .await
-                    .map_err(|_| Cut::Client);
+                    .map_err(|_| Cut::Client)?;
+                if tls {
+                    client.flush().await.map_err(|_| Cut::Client)?;
+                }
+                return Ok(());
             }
             Ok(n) if n > 0 => {}
             _ => return Err(Cut::Upstream),
@@ -84,11 +95,14 @@ pub(super) async fn relay<C: ClientIo>(
         let sent = if rechunk {
             out.clear();
             push_body(out, &ubuf[..n], true);
-            send(client, out, C::TLS).await
+            client.write_all(out).await
         } else {
-            send(client, &ubuf[..n], C::TLS).await
+            client.write_all(&ubuf[..n]).await
         };
         sent.map_err(|_| Cut::Client)?;
+        if tls {
+            client.flush().await.map_err(|_| Cut::Client)?;
+        }
         ubuf.advance(n);
     }
     Ok(())
@@ -110,6 +124,7 @@ pub(super) async fn relay_duplex<C: ClientIo>(
     framing: &mut Framing,
     rechunk: bool,
 ) -> Result<(), Cut> {
+    let tls = client.is_tls();
     let (mut cr, mut cw) = client.halves();
     let (mut ur, mut uw) = up.split();
     let mut written = 0;
@@ -129,7 +144,7 @@ pub(super) async fn relay_duplex<C: ClientIo>(
         let sending = !pump.broken && !pump.pending.is_empty();
         let wants = pump.wants(body) && rbuf.len() < WAIT_READ_MAX;
         let flushing = written < out.len();
-        let flush = C::TLS && unflushed && !flushing;
+        let flush = tls && unflushed && !flushing;
         tokio::select! {
             r = uw.write(&pump.pending), if sending => match r {
                 Ok(n) if n > 0 => pump.pending.advance(n),
@@ -150,7 +165,7 @@ pub(super) async fn relay_duplex<C: ClientIo>(
             }), if flushing || flush => match r {
                 Ok(Some(n)) if n > 0 => {
                     written += n;
-                    unflushed = C::TLS;
+                    unflushed = tls;
                 }
                 Ok(None) => unflushed = false,
                 _ => return Err(Cut::Client),
