@@ -14,6 +14,7 @@ mod fast_path;
 mod fuzz_corpus;
 mod gateway;
 mod global;
+mod http2;
 mod lua_mirror;
 mod packaging;
 mod redis_cluster;
