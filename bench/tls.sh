@@ -11,8 +11,9 @@
 #           (TOKIO_WORKER_THREADS=1, RUST_LOG=warn);
 #   core LOAD_CPU:  the load tool (wrk -t1, h2load -t1, openssl s_time) and the
 #           upstream (an nginx worker answering `return 200 "ok\n"`).
-# Both proxies get the certificate this script makes (ECDSA P-256, the cheapest
-# safe signature), TLS 1.2 + 1.3 (clients negotiate 1.3; checked), X25519 first,
+# Both proxies get the certificate this script makes (ECDSA P-256 by default, the cheapest
+# safe signature widely trusted; CERT=rsa for RSA-2048), TLS 1.2 + 1.3 (clients
+# negotiate 1.3; checked), X25519 first,
 # the server's cipher order with AES-128-GCM first, session tickets and a session
 # cache (bench/load/tls.nginx.conf, bench/load/tollgate-tls.yaml).
 #
@@ -34,6 +35,7 @@
 #   CONNECTIONS=64                  wrk connections
 #   H2_CONNECTIONS=16 H2_STREAMS=16 h2load connections and streams per connection
 #   KINDS="http https new h2 h2c full"
+#   CERT=ec                         the certificate's key: ec (ECDSA P-256) or rsa (RSA-2048)
 #   PROXY_CPU=0 LOAD_CPU=1          cores
 #   TOLLGATE_BIN=...                this binary instead of target/release/tollgate
 #   KEEP=1                          keep the temp dir (configs, logs, raw outputs)
@@ -66,6 +68,8 @@ CONNECTIONS="${CONNECTIONS:-64}"
 H2_CONNECTIONS="${H2_CONNECTIONS:-16}"
 H2_STREAMS="${H2_STREAMS:-16}"
 KINDS="${KINDS:-http https new h2 h2c full}"
+CERT="${CERT:-ec}"
+[[ "$CERT" == ec || "$CERT" == rsa ]] || { echo "tls.sh: CERT must be ec or rsa, got '$CERT'" >&2; exit 2; }
 PROXY_CPU="${PROXY_CPU:-0}"
 LOAD_CPU="${LOAD_CPU:-1}"
 KEEP="${KEEP:-0}"
@@ -358,8 +362,10 @@ main() {
         printf "core %d %.0f%% busy, core %d %.0f%% busy", p, (b[1] - a[1]) / (b[2] - a[2]) * 100, l, (b[3] - a[3]) / (b[4] - a[4]) * 100 }')"
     local load_avg; load_avg="$(cut -d' ' -f1-3 /proc/loadavg)"
 
-    # The certificate both proxies serve: ECDSA P-256, for 127.0.0.1 and localhost.
-    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    # The certificate both proxies serve, for 127.0.0.1 and localhost: ECDSA P-256, or RSA-2048.
+    local newkey=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1)
+    [[ "$CERT" == rsa ]] && newkey=(-newkey rsa:2048)
+    openssl req -x509 "${newkey[@]}" -nodes -days 2 \
         -subj /CN=localhost -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
         -keyout "$TMP/key.pem" -out "$TMP/cert.pem" > "$TMP/openssl.log" 2>&1 || die "openssl req: $(cat "$TMP/openssl.log")"
 
@@ -430,12 +436,12 @@ main() {
     [[ -n "$(git -C "$REPO" status --porcelain -- src Cargo.toml Cargo.lock 2>/dev/null)" ]] && dirty=" (plus uncommitted changes under src/ or Cargo.*)"
     echo
     echo "tollgate tls: tollgate next to nginx over TLS and HTTP/2, same run, same machine"
-    echo "command   : $INVOKED   (DURATION=$DURATION ROUNDS=$ROUNDS CONNECTIONS=$CONNECTIONS H2=${H2_CONNECTIONS}x$H2_STREAMS KINDS=\"$KINDS\")"
+    echo "command   : $INVOKED   (DURATION=$DURATION ROUNDS=$ROUNDS CONNECTIONS=$CONNECTIONS H2=${H2_CONNECTIONS}x$H2_STREAMS CERT=$CERT KINDS=\"$KINDS\")"
     echo "commit    : $commit$dirty"
     echo "date      : $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "host      : $nproc_ CPUs ($(awk -F': *' '/^model name/ { print $2; exit }' /proc/cpuinfo)), Linux $(uname -r); before start: $quiet, load average $load_avg"
     echo "versions  : $("$TOLLGATE_BIN" --version), $(nginx -v 2>&1 | sed 's/^nginx version: //') on $(openssl version | awk '{ print $1, $2 }'), $(wrk -v 2>&1 | awk 'NR == 1 { print $1, $2 }'), $(h2load --version | head -1)"
-    echo "tls       : ECDSA P-256 certificate; ${tlsinfo% }"
+    echo "tls       : $([[ $CERT == rsa ]] && echo RSA-2048 || echo ECDSA P-256) certificate; ${tlsinfo% }"
     echo "core $PROXY_CPU    : the proxy alone: nginx (worker_processes 1) | tollgate (TOKIO_WORKER_THREADS=1, RUST_LOG=warn)"
     echo "core $LOAD_CPU    : the load tool (wrk -t1 -c$CONNECTIONS | h2load -t1 -c$H2_CONNECTIONS -m$H2_STREAMS | openssl s_time -new) and the upstream (nginx, return 200)"
     echo "figures   : median of $ROUNDS interleaved round(s); h2 rows: latency = h2load's mean; full: rate = handshakes per second of one"
