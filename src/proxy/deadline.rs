@@ -18,7 +18,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::Body;
 
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use crate::connector::BoxError;
 
 /// Put on a response by the forwarding code: when its upstream exchange must be over.
 #[derive(Clone, Debug)]

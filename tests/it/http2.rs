@@ -147,3 +147,144 @@ async fn per_response_values_stay_out_of_the_hpack_table() {
     }
     assert_eq!(up.hits(), 3);
 }
+
+fn h2c() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap()
+}
+
+fn config(upstream: &str, route: &str) -> String {
+    format!(
+        "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n  - name: r\n    upstream: {upstream}\n{route}"
+    )
+}
+
+/// Bodyless HTTP/2 streams reach a plain upstream over the raw pool (`proxy::raw_upstream`):
+/// every way an upstream frames its answer comes out whole, with one length however the
+/// upstream spelled it; a length it contradicts is a 502, as on HTTP/1.1.
+#[tokio::test]
+async fn bodyless_http2_streams_get_every_upstream_framing_whole() {
+    let cases: [(&'static [u8], u16, &str, Option<&str>); 6] = [
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;x=1\r\nhello\r\n6\r\n world\r\n0\r\nT: 1\r\n\r\n",
+            200,
+            "hello world",
+            None,
+        ),
+        (b"HTTP/1.1 200 OK\r\n\r\nhello world", 200, "hello world", None),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello",
+            200,
+            "hello",
+            Some("5"),
+        ),
+        (
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: x-gone\r\nX-Gone: 1\r\nX-Kept: 1\r\n\r\nok",
+            200,
+            "ok",
+            Some("2"),
+        ),
+        (b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n", 204, "", None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\nhello", 502, "", None),
+    ];
+    let c = h2c();
+    for (answer, status, body, length) in cases {
+        let parts: &'static [&'static [u8]] = Box::leak(Box::new([answer]));
+        let url = crate::support::upstream::raw(parts).await;
+        let g = Gateway::start(&config(&url, "")).await;
+        let what = String::from_utf8_lossy(&answer[..30]).into_owned();
+        let r = c.get(g.url("/x")).send().await.unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status().as_u16(), status, "{what}");
+        let got_length = r
+            .headers()
+            .get("content-length")
+            .map(|v| v.to_str().unwrap().to_owned());
+        assert!(r.headers().get("x-gone").is_none(), "{what}");
+        if status == 200 {
+            assert_eq!(got_length.as_deref(), length, "{what}");
+            assert_eq!(r.text().await.unwrap(), body, "{what}");
+        }
+    }
+}
+
+/// The raw pool keeps its connections: many bodyless streams, one after the other, use one
+/// upstream connection; a body streams through whole; a HEAD answer keeps its length and has
+/// no body; a stream with a body (hyper's client) works beside them.
+#[tokio::test]
+async fn bodyless_http2_streams_reuse_upstream_connections_and_stream_bodies() {
+    let up = Upstream::start().await;
+    let g = Gateway::start(&config(&up.url(), "")).await;
+    let c = h2c();
+    for i in 0..20 {
+        let r = c.get(g.url(&format!("/echo/{i}"))).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["path"], format!("/echo/{i}"));
+        assert_eq!(v["headers"]["x-forwarded-proto"], "http");
+    }
+    assert_eq!(up.connections(), 1);
+    let size = 3 << 20;
+    let r = c
+        .get(g.url(&format!("/stream?bytes={size}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.bytes().await.unwrap().len(), size);
+    let r = c.head(g.url("/echo")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("content-length"));
+    assert!(r.bytes().await.unwrap().is_empty());
+    let r = c
+        .post(g.url("/echo"))
+        .body(vec![b'x'; 100_000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap()["body_len"],
+        100_000
+    );
+}
+
+/// An upstream that closes each connection after its answer without saying so: the pooled
+/// connection is found closed at the next request, which goes on a new one (a safe method,
+/// nothing of an answer read); an upstream that is down is a 502, one that does not answer
+/// in the route's timeout a 504.
+#[tokio::test]
+async fn bodyless_http2_streams_survive_closed_pooled_connections() {
+    let url =
+        crate::support::upstream::raw(&[b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]).await;
+    let g = Gateway::start(&config(&url, "")).await;
+    let c = h2c();
+    for _ in 0..5 {
+        let r = c.get(g.url("/x")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), "ok");
+    }
+    let down = Gateway::start(&config(
+        &format!("http://{}", crate::support::closed_addr()),
+        "",
+    ))
+    .await;
+    assert_eq!(c.get(down.url("/x")).send().await.unwrap().status(), 502);
+    let up = Upstream::start().await;
+    let slow = Gateway::start(&config(&up.url(), "    timeout: 200ms\n")).await;
+    assert_eq!(
+        c.get(slow.url("/slow?ms=2000"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        504
+    );
+    let r = c.get(slow.url("/late-body?ms=2000")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.bytes().await.is_err(),
+        "a cut body must not end as complete"
+    );
+}

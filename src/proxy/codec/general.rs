@@ -208,12 +208,12 @@ struct Guarded {
 
 impl http_body::Body for Guarded {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = crate::connector::BoxError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, crate::connector::BoxError>>> {
         let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
         let over = match &polled {
             std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => true,

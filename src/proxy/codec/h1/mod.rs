@@ -31,6 +31,7 @@ mod stream;
 mod tests;
 pub(crate) mod timer;
 mod write;
+pub(crate) use client::{ReadError, read_response};
 pub(crate) use stream::Stream;
 pub(crate) use write::upstream_head;
 
