@@ -15,6 +15,7 @@ pub(crate) mod forward;
 pub(crate) mod forwarding;
 pub(crate) mod headers;
 pub(crate) mod pipeline;
+pub(crate) mod raw_upstream;
 pub(crate) mod request_id;
 pub(crate) mod response;
 pub(crate) mod tunnels;

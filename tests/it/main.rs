@@ -15,6 +15,7 @@ mod fast_path;
 mod fuzz_corpus;
 mod gateway;
 mod global;
+mod http2;
 mod key_flood;
 mod lua_mirror;
 mod packaging;

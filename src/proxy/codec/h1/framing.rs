@@ -140,11 +140,26 @@ impl Chunked {
 
     /// Consumes from `buf` up to the body's end; returns how many bytes were the body's.
     pub(crate) fn scan(&mut self, buf: &[u8]) -> Result<usize, BadChunk> {
+        self.scan_data(buf, |_| {})
+    }
+
+    /// [`Chunked::scan`], also saying where the chunks' data is among the bytes consumed, one
+    /// range of `buf` at a time and in order: what a decoder keeps (the HTTP/2 codec's bodies
+    /// read from a raw upstream connection, `proxy::raw_upstream`).
+    #[inline(always)]
+    pub(crate) fn scan_data(
+        &mut self,
+        buf: &[u8],
+        mut data: impl FnMut(std::ops::Range<usize>),
+    ) -> Result<usize, BadChunk> {
         let mut i = 0;
         while i < buf.len() {
             if self.state == State::Data {
                 let take = self.n.min((buf.len() - i) as u64);
                 self.n -= take;
+                if take > 0 {
+                    data(i..i + take as usize);
+                }
                 i += take as usize;
                 if self.n == 0 {
                     self.state = State::DataCr;
