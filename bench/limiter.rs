@@ -6,8 +6,9 @@ use std::net::IpAddr;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use tollgate::key::{IP_TEXT_MAX, ip_text};
+use tollgate::limit::algorithm::calendar::Unit;
 use tollgate::limit::algorithm::{
-    Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
+    Algorithm, Calendar, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
 use tollgate::limit::local::{self, LocalCheck, LocalStore};
 
@@ -51,6 +52,16 @@ fn algorithm(c: &mut Criterion) {
             Algorithm::SlidingWindow(SlidingWindow::new(QUOTA)),
         ),
         ("sliding_log", Algorithm::SlidingLog(SlidingLog::new(QUOTA))),
+        (
+            "fixed_window_calendar",
+            Algorithm::FixedWindow(FixedWindow::calendar(
+                QUOTA,
+                Calendar::new(
+                    Unit::Day,
+                    jiff::tz::TimeZone::get("Europe/Berlin").expect("zone"),
+                ),
+            )),
+        ),
     ] {
         group.bench_function(id, |b| {
             let mut state = alg.new_state();

@@ -122,6 +122,8 @@ impl App {
                 .map_or(&[], |ca| &ca.certs),
         );
         let snapshot = ConfigSnapshot::build(config, &metrics, &connector, None);
+        snapshot.sweep(clock.now(), &metrics);
+        log_key_budget(snapshot.config.server.max_keys);
         if let Some(redis) = &snapshot.redis {
             // Give the pool a moment to connect so the first requests do not meet a cold
             // connection; a Redis that is down only delays start-up by this much.
@@ -179,14 +181,29 @@ impl App {
         // stay readable; units admitted during it are pushed); they stop once the proxy
         // listener is done.
         let (after_drain, drained) = tokio::sync::watch::channel(false);
-        let sweeper = tokio::spawn(sweep(shared.clone(), stop_rx.clone()));
-        let resets = tokio::spawn(follow_resets(shared.clone(), stop_rx.clone()));
-        let syncer = tokio::spawn(sync_eventual(shared.clone(), drained.clone()));
-        let watcher = shared
-            .options
-            .config_path
-            .clone()
-            .map(|path| tokio::spawn(watch(shared.clone(), path, stop_rx.clone())));
+        let sweeper = background("sweep", &shared, {
+            let (shared, stop) = (shared.clone(), stop_rx.clone());
+            move || sweep(shared.clone(), stop.clone())
+        });
+        let resets = background("resets", &shared, {
+            let (shared, stop) = (shared.clone(), stop_rx.clone());
+            move || follow_resets(shared.clone(), stop.clone())
+        });
+        let syncer = background("eventual_sync", &shared, {
+            let (shared, stop) = (shared.clone(), drained.clone());
+            move || sync_eventual(shared.clone(), stop.clone())
+        });
+        let watcher = shared.options.config_path.clone().map(|path| {
+            background("config_watch", &shared, {
+                let (shared, stop) = (shared.clone(), stop_rx.clone());
+                let mut restarted = false;
+                move || {
+                    let run = watch(shared.clone(), path.clone(), stop.clone(), restarted);
+                    restarted = true;
+                    run
+                }
+            })
+        });
         let admin = {
             let router = crate::admin::router(shared.clone());
             let mut rx = drained;
@@ -233,6 +250,35 @@ impl App {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin).await;
     }
+}
+
+/// Says at start-up how many keys the in-process stores may hold, and where the number came
+/// from (`tollgate check` prints the same).
+fn log_key_budget(max_keys: usize) {
+    let d = crate::limit::budget::default_max_keys();
+    if max_keys == d.keys {
+        tracing::info!(
+            max_keys,
+            memory_bytes = d.memory,
+            "in-process key budget: server.max_keys by default, 1/{} of the memory at {} bytes per key",
+            crate::limit::budget::MEMORY_SHARE,
+            crate::limit::budget::BYTES_PER_KEY
+        );
+    } else {
+        tracing::info!(max_keys, "in-process key budget: server.max_keys");
+    }
+}
+
+/// Spawns a background task that `start` makes, restarted after a panic (`crate::panics`:
+/// counted under `task`, logged, started again a second later), so a bug met once does not
+/// silently stop limit syncs, sweeps or config reloads for the rest of the process's life.
+fn background<F, Fut>(task: &'static str, shared: &Shared, start: F) -> tokio::task::JoinHandle<()>
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let metrics = shared.gateway.metrics.clone();
+    tokio::spawn(crate::panics::supervise(task, metrics, start))
 }
 
 /// Forgets in process the keys a reset names, wherever it was made (the admin API's `DELETE`
@@ -283,13 +329,18 @@ async fn sweep(shared: Arc<Shared>, mut stop: tokio::sync::watch::Receiver<bool>
         }
         let rt = shared.gateway.snapshot.load_full();
         let now = shared.gateway.clock.now();
-        let kept = rt.sweep(now);
-        shared.gateway.metrics.set_local_keys(kept);
+        rt.sweep(now, &shared.gateway.metrics);
     }
 }
 
-/// Reloads when the config file changes on disk.
-async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// Reloads when the config file changes on disk. `restarted`: this watcher replaces one that
+/// panicked, so it reloads once first, in case the file changed while none was watching.
+async fn watch(
+    shared: Arc<Shared>,
+    path: PathBuf,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    restarted: bool,
+) {
     let mut w = match crate::config::watch::ConfigWatch::new(&path) {
         Ok(w) => w,
         Err(e) => {
@@ -297,12 +348,17 @@ async fn watch(shared: Arc<Shared>, path: PathBuf, mut stop: tokio::sync::watch:
             return;
         }
     };
+    if restarted {
+        let _ = shared.reload().await;
+    }
     loop {
         w.also_watch(&shared.gateway.snapshot.load().config.files_read());
         tokio::select! {
             _ = w.changed() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+        #[cfg(feature = "panic-injection")]
+        crate::panics::inject::once("config_watch", &path.to_string_lossy());
         // A refused file is logged and counted inside reload; the running config stays.
         let _ = shared.reload().await;
     }
@@ -351,6 +407,8 @@ async fn sync_limit(
     now: crate::limit::algorithm::Micros,
 ) {
     let Some(ev) = &l.eventual else { return };
+    #[cfg(feature = "panic-injection")]
+    crate::panics::inject::once("eventual_sync", &l.name);
     ev.last_sync
         .store(now, std::sync::atomic::Ordering::Relaxed);
     let items = ev.due(now);

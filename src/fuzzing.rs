@@ -26,6 +26,10 @@
 //!   fields, body, and so where it ends — and what the fast codec would forward upstream parses,
 //!   by a plain hyper server acting as the upstream, into the same request modulo the
 //!   documented rewrites.
+//! - [`differential_response`]: for the same upstream response bytes, the fast codec (its
+//!   response parser and body framing) and hyper's client (as the general path's connector
+//!   configures it) agree on the final status, the header fields, where the body ends and what
+//!   it is, or both refuse.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -63,6 +67,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("config", config),
     ("admin_query", admin_query),
     ("differential_framing", differential_framing),
+    ("differential_response", differential_response),
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -489,8 +494,11 @@ pub fn config(data: &[u8]) {
     let path = Path::new("/nonexistent-fuzz/routes.yaml");
     match crate::config::parse_str(path, text) {
         Ok(_) => {}
+        // In a file the config names (an overrides file): its own path, line and column.
+        Err(e) if e.path != path => {
+            assert!(e.line >= 1 && e.column >= 1, "no position: {e}");
+        }
         Err(e) => {
-            assert_eq!(e.path, path);
             assert!(e.line >= 1 && e.column >= 1, "no position: {e}");
             // Lines as YAML counts them: a CR alone breaks a line too.
             let lines = text
@@ -892,7 +900,249 @@ fn hyper_reads(data: Bytes, server: Server) -> Vec<Seen> {
     std::mem::take(&mut *seen.lock().expect("lock"))
 }
 
-/// A connection whose client sent `data` and shut its write side; what is written is dropped.
+// ---------------------------------------------------------------------------------------------
+// differential_response
+
+/// A response as a reader of the upstream's bytes saw it.
+#[derive(Debug, PartialEq, Eq)]
+enum Answer {
+    /// No final response head (malformed, cut short, a `101` nobody asked for): the exchange
+    /// fails before anything reaches the client (502 on both codecs).
+    Refused,
+    Head {
+        status: u16,
+        /// Field values by lower-case name, in order.
+        fields: BTreeMap<String, Vec<Vec<u8>>>,
+        /// The decoded body; `None`: it could not be read to its end (malformed, or the
+        /// connection ended before its framing did), so the client sees it cut.
+        body: Option<Bytes>,
+    },
+}
+
+/// The fast codec and hyper's client, on the same upstream bytes (then the upstream closes its
+/// side). The first byte's low bit: the request was HEAD (else GET).
+pub fn differential_response(data: &[u8]) {
+    let Some((&flags, bytes)) = data.split_first() else {
+        return;
+    };
+    let head_request = flags & 1 == 1;
+    let (fast, strict) = fast_response(bytes, head_request);
+    let hyper = hyper_response(Bytes::copy_from_slice(bytes), head_request);
+    match (&fast, &hyper) {
+        (Answer::Refused, Answer::Refused) => {}
+        (
+            Answer::Head {
+                status: fs,
+                fields: ff,
+                body: fb,
+            },
+            Answer::Head {
+                status: hs,
+                fields: hf,
+                body: hb,
+            },
+        ) => {
+            assert_eq!(fs, hs, "status");
+            assert_eq!(ff, hf, "fields");
+            match (fb, hb) {
+                (Some(f), Some(h)) => assert_eq!(f, h, "body"),
+                (None, None) => {}
+                // The refusals where the fast codec's scanner is stricter on purpose (see
+                // `fast_response`): hyper reads on, and re-frames what it read.
+                (None, Some(_)) if strict => {}
+                _ => panic!(
+                    "one reads the body to its end, the other not: fast {fb:?}, hyper {hb:?}"
+                ),
+            }
+        }
+        _ => panic!("fast codec {fast:?}, hyper {hyper:?}"),
+    }
+}
+
+/// The fast codec's reading of an upstream's bytes, as `h1::client` and `h1::relay` do it with
+/// every byte at hand: informational heads skipped, a `101` refused, the final head, then the
+/// body by its framing; a body the framing ends before the bytes do stops there (the codec does
+/// not read on), one that needs more than the bytes is cut. A chunked body is passed on as it
+/// came, so what the client decodes is hyper's reading of exactly those bytes.
+///
+/// The second value: the chunked body was refused where the scanner is stricter than hyper on
+/// purpose ([`Chunked::stricter_than_hyper`]): hyper reads on and the general path re-frames
+/// the body for its client, while the fast codec passes the bytes on as they came, so it
+/// refuses what a client might read otherwise (a bare LF in the trailers, which hyper's
+/// trailer parser takes as their end, ignoring the rest; a NUL in an extension).
+fn fast_response(bytes: &[u8], head_request: bool) -> (Answer, bool) {
+    let mut fields = Vec::new();
+    let mut at = 0;
+    let head = loop {
+        match parse_response(&bytes[at..], head_request, &mut fields) {
+            ParsedResponse::Complete(h) if h.status == 101 => return (Answer::Refused, false),
+            ParsedResponse::Complete(h) if h.status < 200 => at += h.len,
+            ParsedResponse::Complete(h) => break h,
+            ParsedResponse::Partial | ParsedResponse::Invalid => return (Answer::Refused, false),
+        }
+    };
+    let buf = &bytes[at..];
+    let mut map: BTreeMap<String, Vec<Vec<u8>>> = BTreeMap::new();
+    for f in &fields {
+        map.entry(String::from_utf8_lossy(&buf[f.name.clone()]).to_ascii_lowercase())
+            .or_default()
+            .push(buf[f.value.clone()].to_vec());
+    }
+    let rest = &buf[head.len..];
+    let mut framing = head.framing.clone();
+    let mut strict = false;
+    let body = match framing.advance(rest) {
+        Err(_) => {
+            strict = matches!(head.framing, Framing::Chunked(_)) && refused_as_stricter(rest);
+            None
+        }
+        Ok(n) if framing.is_done() || framing == Framing::UntilClose => Some(&rest[..n]),
+        Ok(_) => None,
+    };
+    let body = body.map(|raw| match head.framing {
+        Framing::Chunked(_) => {
+            let mut wire = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            wire.extend_from_slice(raw);
+            match hyper_response(Bytes::from(wire), false) {
+                Answer::Head { body: Some(b), .. } => b,
+                other => {
+                    panic!("the fast codec takes a chunked body hyper cannot decode: {other:?}")
+                }
+            }
+        }
+        _ => Bytes::copy_from_slice(raw),
+    });
+    let answer = Answer::Head {
+        status: head.status,
+        fields: map,
+        body,
+    };
+    (answer, strict)
+}
+
+/// The chunked scanner refuses `body` where it is stricter than hyper on purpose
+/// ([`Chunked::stricter_than_hyper`]).
+fn refused_as_stricter(body: &[u8]) -> bool {
+    let mut c = Chunked::new();
+    for b in body {
+        let before = c.clone();
+        if c.scan(std::slice::from_ref(b)).is_err() {
+            return before.stricter_than_hyper(*b);
+        }
+    }
+    false
+}
+
+/// hyper's client (`http1::Builder` as `connector::http1` builds it) sending a GET (or HEAD)
+/// and reading the answer from `data`; a `101` is refused, as the general path's forward does.
+fn hyper_response(data: Bytes, head_request: bool) -> Answer {
+    use http_body_util::BodyExt;
+    thread_local! {
+        static RT: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+    }
+    let io = hyper_util::rt::TokioIo::new(Answering {
+        data,
+        at: 0,
+        asked: false,
+        waker: None,
+    });
+    RT.with(|rt| {
+        rt.block_on(async {
+            let Ok((mut sender, conn)) = hyper::client::conn::http1::Builder::new()
+                .handshake::<_, http_body_util::Empty<Bytes>>(io)
+                .await
+            else {
+                return Answer::Refused;
+            };
+            let conn = tokio::spawn(conn);
+            let method = if head_request {
+                Method::HEAD
+            } else {
+                Method::GET
+            };
+            let req = http::Request::builder()
+                .method(method)
+                .uri("/")
+                .header(http::header::HOST, "upstream")
+                .body(http_body_util::Empty::new())
+                .expect("a request");
+            let answer = match sender.send_request(req).await {
+                Err(_) => Answer::Refused,
+                Ok(r) if r.status() == http::StatusCode::SWITCHING_PROTOCOLS => Answer::Refused,
+                Ok(r) => {
+                    let (parts, body) = r.into_parts();
+                    let mut fields: BTreeMap<String, Vec<Vec<u8>>> = BTreeMap::new();
+                    for (n, v) in &parts.headers {
+                        fields
+                            .entry(n.as_str().to_owned())
+                            .or_default()
+                            .push(v.as_bytes().to_vec());
+                    }
+                    Answer::Head {
+                        status: parts.status.as_u16(),
+                        fields,
+                        body: body.collect().await.ok().map(|c| c.to_bytes()),
+                    }
+                }
+            };
+            conn.abort();
+            answer
+        })
+    })
+}
+
+/// An upstream that answers `data` (then shuts its write side) once a request has been written
+/// to it: hyper's client takes bytes that come before its request for a protocol error.
+struct Answering {
+    data: Bytes,
+    at: usize,
+    asked: bool,
+    waker: Option<std::task::Waker>,
+}
+
+impl tokio::io::AsyncRead for Answering {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.asked {
+            self.waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let n = buf.remaining().min(self.data.len() - self.at);
+        buf.put_slice(&self.data[self.at..self.at + n]);
+        self.at += n;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl tokio::io::AsyncWrite for Answering {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.asked = true;
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// A connection whose peer sent `data` and shut its write side; what is written is dropped.
 struct Memory {
     data: Bytes,
     at: usize,
@@ -932,6 +1182,87 @@ impl tokio::io::AsyncWrite for Memory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fast_codec_and_hyper_agree_on_where_a_response_ends() {
+        /// HEAD, the upstream's bytes, the body both read.
+        type Case = (bool, &'static [u8], Option<&'static [u8]>);
+        let cases: [Case; 6] = [
+            (false, b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhelloNEXT", Some(b"hello")),
+            (
+                false,
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\nNEXT",
+                Some(b"hello"),
+            ),
+            (
+                false,
+                b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+                Some(b"ok"),
+            ),
+            (false, b"HTTP/1.0 200 OK\r\n\r\nuntil the close", Some(b"until the close")),
+            (true, b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", Some(b"")),
+            (false, b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel", None),
+        ];
+        for (head, bytes, body) in cases {
+            let mut data = vec![u8::from(head)];
+            data.extend_from_slice(bytes);
+            differential_response(&data);
+            let (Answer::Head { body: read, .. }, false) = fast_response(bytes, head) else {
+                panic!("refused: {bytes:?}");
+            };
+            assert_eq!(read.as_deref(), body, "{bytes:?}");
+        }
+        // A bare LF in a trailer line: refused by the fast codec, read on by hyper, whose
+        // trailer parser stops at the empty line and leaves `c`.
+        let bare_lf =
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\na: b\n\nc\r\n\r\n";
+        let mut data = vec![0];
+        data.extend_from_slice(bare_lf);
+        differential_response(&data);
+        assert!(fast_response(bare_lf, false).1);
+        // At a line's start too (right after the last chunk, or after a whole trailer line).
+        for bytes in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\nc\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\na: b\r\n\nc\r\n\r\n",
+        ] {
+            let mut data = vec![0];
+            data.extend_from_slice(bytes);
+            differential_response(&data);
+            assert!(fast_response(bytes, false).1, "{bytes:?}");
+        }
+        // A NUL in an extension, 17 size digits: hyper reads both.
+        for bytes in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0;a\x00b\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n00000000000000000\r\n\r\n",
+        ] {
+            let mut data = vec![0];
+            data.extend_from_slice(bytes);
+            differential_response(&data);
+            assert!(fast_response(bytes, false).1, "{bytes:?}");
+            assert!(matches!(
+                hyper_response(Bytes::copy_from_slice(bytes), false),
+                Answer::Head { body: Some(_), .. }
+            ));
+        }
+        // A chunk line the scanner refuses for what hyper refuses too is no strictness.
+        let both = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5x\r\nhello\r\n0\r\n\r\n";
+        assert!(!fast_response(both, false).1);
+        assert!(matches!(
+            hyper_response(Bytes::from_static(bare_lf), false),
+            Answer::Head { body: Some(_), .. }
+        ));
+        let refused: [&[u8]; 3] = [
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello",
+            b"HTTP/1.1 200 OK\r\n",
+        ];
+        for bytes in refused {
+            let mut data = vec![0];
+            data.extend_from_slice(bytes);
+            differential_response(&data);
+            assert_eq!(fast_response(bytes, false).0, Answer::Refused, "{bytes:?}");
+        }
+    }
 
     #[test]
     fn the_differential_compares_requests_both_read() {

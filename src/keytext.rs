@@ -19,14 +19,23 @@ pub type KeyBuf = smallvec::SmallVec<[u8; 128]>;
 /// raw value (`alice smith`, a long API key) and is escaped or hashed as a request's would be.
 /// Only a raw value that contains `%` or `|` must be given in its stored form.
 pub fn from_admin(given: &str) -> Vec<u8> {
+    let mut out = KeyBuf::new();
+    from_admin_into(given, &mut out);
+    out.into_vec()
+}
+
+/// [`from_admin`] into `out` (cleared first), without an allocation for a key that fits
+/// [`KeyBuf`]: what a table of a million keys is read with.
+pub(crate) fn from_admin_into(given: &str, out: &mut KeyBuf) {
+    out.clear();
     // `on_missing: ip`'s fallback key, whose space is its own (values have theirs escaped).
     if given
         .strip_prefix("ip ")
         .is_some_and(|ip| ip.parse::<IpAddr>().is_ok())
     {
-        return given.as_bytes().to_vec();
+        out.extend_from_slice(given.as_bytes());
+        return;
     }
-    let mut out = KeyBuf::new();
     for (i, part) in given.as_bytes().split(|&b| b == b'|').enumerate() {
         if i > 0 {
             out.push(b'|');
@@ -38,10 +47,9 @@ pub fn from_admin(given: &str) -> Vec<u8> {
         if stored_form {
             out.extend_from_slice(part);
         } else {
-            push_escaped(&mut out, part);
+            push_escaped(out, part);
         }
     }
-    out.into_vec()
 }
 
 /// Appends `value` escaped (or, over [`MAX_PART_LEN`], hashed) as one part of a key.

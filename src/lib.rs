@@ -19,6 +19,7 @@ mod keytext;
 pub mod limit;
 mod listener;
 pub mod metrics;
+pub mod panics;
 mod proxy;
 mod routing;
 mod snapshot;

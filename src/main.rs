@@ -134,16 +134,34 @@ fn check(
     }
 }
 
+/// See [`init_logging`].
+const QUIET_RUSTLS: &str = "rustls::msgs::handshake=error";
+
 /// `RUST_LOG` as the filter; unset or empty means `info` (an empty filter would silence even
 /// errors, a refused reload included), and one that does not parse is `info` and said so.
+/// Unless the filter names rustls itself, rustls' handshake parser logs errors only: it warns
+/// about every TLS client that puts an IP address in SNI (wrk and other OpenSSL-based tools
+/// given `https://127.0.0.1/`), which it then ignores as RFC 6066 says to — a line per
+/// connection saying nothing an operator can act on.
 fn init_logging(format: LogFormat) {
     let given = std::env::var("RUST_LOG")
         .ok()
         .filter(|v| !v.trim().is_empty());
-    let (filter, refused) = match given.as_deref().map(tracing_subscriber::EnvFilter::try_new) {
+    let quiet = |f: &str| {
+        if f.contains("rustls") {
+            f.to_owned()
+        } else {
+            format!("{f},{QUIET_RUSTLS}")
+        }
+    };
+    let fallback = || tracing_subscriber::EnvFilter::new(quiet("info"));
+    let (filter, refused) = match given
+        .as_deref()
+        .map(|g| tracing_subscriber::EnvFilter::try_new(quiet(g)))
+    {
         Some(Ok(filter)) => (filter, None),
-        Some(Err(e)) => (tracing_subscriber::EnvFilter::new("info"), Some(e)),
-        None => (tracing_subscriber::EnvFilter::new("info"), None),
+        Some(Err(e)) => (fallback(), Some(e)),
+        None => (fallback(), None),
     };
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
@@ -189,6 +207,8 @@ fn log_time_now() -> String {
 fn run(args: RunArgs) -> ExitCode {
     let format = args.log_format.unwrap_or(LogFormat::Text);
     init_logging(format);
+    // Panics through the log, once each (`tollgate::panics`).
+    tollgate::panics::install_hook();
     let rt = match runtime_builder().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -249,6 +269,7 @@ async fn serve(args: RunArgs) -> Result<(), AppError> {
     .await?;
     tracing::info!(proxy = %app.proxy_addr(), admin = %app.admin_addr(), "tollgate listening");
     let shared = app.shared();
+    tollgate::panics::count_uncaught_in(shared.gateway.metrics.clone());
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
         let Ok(mut hup) = signal(SignalKind::hangup()) else {

@@ -147,6 +147,31 @@ struct KindLabel {
 struct ResultLabel {
     result: &'static str,
 }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreLabel {
+    store: &'static str,
+}
+
+/// The `store` label values of the key-budget metrics: the kinds of in-process store
+/// (`limit::budget::StoreKind`), so their series exist from the start.
+pub const KEY_STORES: [&str; 3] = ["local", "deny_tier", "eventual"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TaskLabel {
+    task: &'static str,
+}
+
+/// The `task` values of `tollgate_panics_total`, each a series from the start: one request's
+/// phases, one client connection outside them, the background tasks, and anything else.
+pub const PANIC_TASKS: [&str; 7] = [
+    "request",
+    "connection",
+    "sweep",
+    "resets",
+    "eventual_sync",
+    "config_watch",
+    "other",
+];
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
@@ -163,6 +188,7 @@ pub struct Metrics {
     redis_errors: Family<KindLabel, Counter>,
     fallback: Family<RouteLimit, Counter>,
     reloads: Family<ResultLabel, Counter>,
+    panics: Family<TaskLabel, Counter>,
     delay: HistogramFamily<RouteLimit>,
     waiters_abandoned: Family<RouteLimit, Counter>,
     local_keys: Gauge,
@@ -171,6 +197,10 @@ pub struct Metrics {
     lease_expiries: Family<RouteLimit, Counter>,
     settled: Family<RouteLimitDirection, Counter>,
     settle_missing: Family<RouteLimit, Counter>,
+    limit_keys: Family<StoreLabel, Gauge>,
+    limit_keys_evicted: Family<StoreLabel, Counter>,
+    limit_keys_max: Gauge,
+    eventual_units_lost: Counter,
 }
 
 impl Default for Metrics {
@@ -195,6 +225,7 @@ impl Metrics {
         let redis_errors = Family::default();
         let fallback = Family::default();
         let reloads = Family::default();
+        let panics = Family::default();
         let delay: HistogramFamily<RouteLimit> = Family::new_with_constructor(Histogram::latency);
         let waiters_abandoned = Family::default();
         let local_keys = Gauge::default();
@@ -203,6 +234,10 @@ impl Metrics {
         let lease_expiries = Family::default();
         let settled = Family::default();
         let settle_missing = Family::default();
+        let limit_keys = Family::default();
+        let limit_keys_evicted = Family::default();
+        let limit_keys_max = Gauge::default();
+        let eventual_units_lost = Counter::default();
         // prometheus-client appends `_total` to counters and `_seconds` comes from the name.
         registry.register(
             "tollgate_requests",
@@ -250,6 +285,11 @@ impl Metrics {
             reloads.clone(),
         );
         registry.register(
+            "tollgate_panics",
+            "Panics caught, by what was running: the request or connection it ended, or the background task it restarted",
+            panics.clone(),
+        );
+        registry.register(
             "tollgate_delay_seconds",
             "Delay given to requests that waited for a reserved slot",
             delay.clone(),
@@ -289,6 +329,26 @@ impl Metrics {
             "Responses whose cost header or trailer was missing or not a whole number: the estimate stayed charged",
             settle_missing.clone(),
         );
+        registry.register(
+            "tollgate_limit_keys",
+            "Keys held by the in-process limit stores, by kind of store",
+            limit_keys.clone(),
+        );
+        registry.register(
+            "tollgate_limit_keys_evicted",
+            "Keys evicted from the in-process limit stores to stay within server.max_keys, by kind of store",
+            limit_keys_evicted.clone(),
+        );
+        registry.register(
+            "tollgate_limit_keys_max",
+            "server.max_keys: the most keys the in-process limit stores hold together",
+            limit_keys_max.clone(),
+        );
+        registry.register(
+            "tollgate_eventual_units_lost",
+            "Units admitted by eventual limits that no sync will push: their key was evicted while the queue of evicted keys' units was full",
+            eventual_units_lost.clone(),
+        );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
         for kind in [
             "timeout",
@@ -303,6 +363,13 @@ impl Metrics {
         for result in ["success", "error"] {
             let _ = reloads.get_or_create_owned(&ResultLabel { result });
         }
+        for store in KEY_STORES {
+            let _ = limit_keys.get_or_create_owned(&StoreLabel { store });
+            let _ = limit_keys_evicted.get_or_create_owned(&StoreLabel { store });
+        }
+        for task in PANIC_TASKS {
+            let _ = panics.get_or_create_owned(&TaskLabel { task });
+        }
         Self {
             registry,
             requests,
@@ -314,6 +381,7 @@ impl Metrics {
             redis_errors,
             fallback,
             reloads,
+            panics,
             delay,
             waiters_abandoned,
             local_keys,
@@ -322,6 +390,10 @@ impl Metrics {
             lease_expiries,
             settled,
             settle_missing,
+            limit_keys,
+            limit_keys_evicted,
+            limit_keys_max,
+            eventual_units_lost,
         }
     }
 
@@ -447,9 +519,39 @@ impl Metrics {
         self.reloads.get_or_create(&ResultLabel { result }).inc();
     }
 
+    /// Counts one panic caught in `task` (one of [`PANIC_TASKS`]) in `tollgate_panics_total`.
+    pub fn panicked(&self, task: &'static str) {
+        self.panics.get_or_create(&TaskLabel { task }).inc();
+    }
+
     /// Sets the `tollgate_local_keys` gauge: keys the in-process stores hold.
     pub fn set_local_keys(&self, n: usize) {
         self.local_keys.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `tollgate_limit_keys{store}`: keys the in-process stores of that kind hold.
+    pub fn set_limit_keys(&self, store: &'static str, n: usize) {
+        self.limit_keys
+            .get_or_create(&StoreLabel { store })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Adds `n` to `tollgate_limit_keys_evicted_total{store}`.
+    pub fn keys_evicted(&self, store: &'static str, n: u64) {
+        self.limit_keys_evicted
+            .get_or_create(&StoreLabel { store })
+            .inc_by(n);
+    }
+
+    /// Sets `tollgate_limit_keys_max`: the running `server.max_keys`.
+    pub fn set_limit_keys_max(&self, n: usize) {
+        self.limit_keys_max
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Adds `n` to `tollgate_eventual_units_lost_total`.
+    pub fn eventual_units_lost(&self, n: u64) {
+        self.eventual_units_lost.inc_by(n);
     }
 }
 

@@ -321,15 +321,23 @@ impl ConfigSnapshot {
             .filter(move |l| !l.config.shared || seen.insert(Arc::as_ptr(&l.store)))
     }
 
-    /// Drops idle keys from every local store and tier cache; returns the keys kept.
-    pub fn sweep(&self, now: crate::limit::algorithm::Micros) -> usize {
-        self.distinct_limits()
-            .map(|l| {
-                l.store.sweep(now)
-                    + l.deny_cache.sweep(now)
-                    + l.eventual.as_ref().map_or(0, |e| e.sweep(now))
-            })
-            .sum()
+    /// Drops idle keys from every in-process store and holds them within `server.max_keys`
+    /// (`limit::budget::rebalance`), then reports what they hold and evicted in `metrics`.
+    /// The sweeper runs it every second; a new snapshot once before it serves, so its stores
+    /// are capped from its first request (a reload may have lowered the cap). Returns the keys
+    /// kept.
+    pub fn sweep(&self, now: crate::limit::algorithm::Micros, metrics: &Metrics) -> usize {
+        use crate::limit::budget::{StoreKind, rebalance};
+        let limits = self.distinct_limits();
+        let report = rebalance(limits, self.config.server.max_keys, now);
+        for kind in StoreKind::ALL {
+            metrics.set_limit_keys(kind.label(), report.held(kind));
+            metrics.keys_evicted(kind.label(), report.evicted(kind));
+        }
+        metrics.eventual_units_lost(report.lost_units);
+        metrics.set_limit_keys_max(self.config.server.max_keys);
+        metrics.set_local_keys(report.total());
+        report.total()
     }
 }
 

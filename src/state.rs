@@ -107,6 +107,15 @@ impl Shared {
                     &self.gateway.connector,
                     Some(&old),
                 );
+                // Capped before it serves: the reload may have lowered server.max_keys.
+                rt.sweep(self.gateway.clock.now(), &self.gateway.metrics);
+                if rt.config.server.max_keys != old.config.server.max_keys {
+                    tracing::info!(
+                        max_keys = rt.config.server.max_keys,
+                        was = old.config.server.max_keys,
+                        "in-process key budget changed"
+                    );
+                }
                 self.gateway.snapshot.store(Arc::new(rt));
                 self.gateway.metrics.reload(true);
                 tracing::info!(path = %path.display(), "config reloaded");

@@ -4,6 +4,14 @@
 //! process-wide default provider has to be installed (and a second provider compiled in by some
 //! other crate could not make the choice ambiguous). Both sides offer ALPN `h2` then `http/1.1`:
 //! a peer that speaks HTTP/2 gets it, any other gets HTTP/1.1.
+//!
+//! The listener's handshakes are made as cheap as they safely can be, as nginx's are by
+//! default: sessions resume (TLS 1.3 and 1.2 tickets, and a session cache for TLS 1.2 clients
+//! without tickets), shared by every config the process loads so a certificate rotation does
+//! not send every client back to a full handshake; X25519 is the first key exchange; and the
+//! server picks the cipher suite: AES-128-GCM first where the CPU has AES instructions (it is
+//! the cheapest there, and AES-256 buys nothing against a 128-bit key exchange), ChaCha20
+//! first where it has not. See docs/benchmarks.md for what each costs.
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -23,6 +31,99 @@ pub(crate) fn provider() -> Arc<CryptoProvider> {
     PROVIDER
         .get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
         .clone()
+}
+
+/// The listener's provider: ring's, with its cipher suites in the order the server picks them
+/// ([`suite_order`]) and X25519 first (it is already; said here so it stays so).
+fn listener_provider() -> Arc<CryptoProvider> {
+    static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
+    PROVIDER
+        .get_or_init(|| {
+            use rustls::crypto::ring::kx_group;
+            let mut p = rustls::crypto::ring::default_provider();
+            p.cipher_suites = suite_order(aes_instructions());
+            p.kx_groups = vec![kx_group::X25519, kx_group::SECP256R1, kx_group::SECP384R1];
+            Arc::new(p)
+        })
+        .clone()
+}
+
+/// The cipher suites, the server's choice first: with AES instructions AES-128-GCM, then
+/// AES-256-GCM, then ChaCha20-Poly1305; without them ChaCha20 first (AES in software is slower
+/// and not constant-time). TLS 1.3 before TLS 1.2 (the version is chosen before the suite).
+fn suite_order(aes: bool) -> Vec<rustls::SupportedCipherSuite> {
+    use rustls::crypto::ring::cipher_suite as cs;
+    if aes {
+        vec![
+            cs::TLS13_AES_128_GCM_SHA256,
+            cs::TLS13_AES_256_GCM_SHA384,
+            cs::TLS13_CHACHA20_POLY1305_SHA256,
+            cs::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+            cs::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+            cs::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+            cs::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+            cs::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+            cs::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        ]
+    } else {
+        vec![
+            cs::TLS13_CHACHA20_POLY1305_SHA256,
+            cs::TLS13_AES_128_GCM_SHA256,
+            cs::TLS13_AES_256_GCM_SHA384,
+            cs::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+            cs::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+            cs::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+            cs::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+            cs::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+            cs::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+        ]
+    }
+}
+
+/// The CPU has AES and carry-less multiply instructions (what AES-GCM runs fast and in
+/// constant time on).
+fn aes_instructions() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("aes")
+            && std::arch::is_x86_feature_detected!("pclmulqdq")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("aes")
+            && std::arch::is_aarch64_feature_detected!("pmull")
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// Resumed TLS sessions of the listener, one store for the process: every config a reload
+/// builds resumes what the configs before it started.
+struct Resumption {
+    /// Stateless tickets (TLS 1.3, and TLS 1.2 clients that ask for them), under keys rustls
+    /// makes at random and rotates every 6 hours; a client's ticket outlives a reload.
+    ticketer: Arc<dyn rustls::server::ProducesTickets>,
+    /// Session ids of TLS 1.2 clients that do not take tickets.
+    cache: Arc<dyn rustls::server::StoresServerSessions>,
+}
+
+/// TLS 1.2 sessions kept for resumption by id; about what nginx's `ssl_session_cache
+/// shared:SSL:1m` holds.
+const SESSION_CACHE: usize = 4096;
+
+fn resumption() -> Result<&'static Resumption, String> {
+    static RESUMPTION: OnceLock<Resumption> = OnceLock::new();
+    if let Some(r) = RESUMPTION.get() {
+        return Ok(r);
+    }
+    let ticketer = rustls::crypto::ring::Ticketer::new()
+        .map_err(|e| format!("cannot make TLS session ticket keys: {e}"))?;
+    Ok(RESUMPTION.get_or_init(|| Resumption {
+        ticketer,
+        cache: rustls::server::ServerSessionMemoryCache::new(SESSION_CACHE),
+    }))
 }
 
 /// Every certificate in a PEM file, in file order (for a chain: leaf first).
@@ -56,13 +157,14 @@ fn read(path: &Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))
 }
 
-/// The listener's config: one certificate chain and its key, ALPN `h2` + `http/1.1`.
+/// The listener's config: one certificate chain and its key, ALPN `h2` + `http/1.1`, sessions
+/// resumed and the cipher suite of the server's choosing (see the module's docs).
 /// Refuses a key that does not belong to the chain's first certificate.
 pub(crate) fn server_config(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<Arc<ServerConfig>, String> {
-    let mut cfg = ServerConfig::builder_with_provider(provider())
+    let mut cfg = ServerConfig::builder_with_provider(listener_provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .with_no_client_auth()
@@ -75,6 +177,12 @@ pub(crate) fn server_config(
             e => format!("the certificate and key cannot be used: {e}"),
         })?;
     cfg.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec()];
+    let resumption = resumption()?;
+    cfg.ticketer = resumption.ticketer.clone();
+    cfg.session_storage = resumption.cache.clone();
+    // The suite order above, not the client's: OpenSSL-based clients (curl, wrk, most
+    // libraries) list AES-256-GCM first.
+    cfg.ignore_client_order = true;
     Ok(Arc::new(cfg))
 }
 
@@ -132,4 +240,42 @@ pub(crate) fn client_config(extra: &[CertificateDer<'static>]) -> ClientConfig {
         .expect("the ring provider supports the default protocol versions")
         .with_root_certificates(roots)
         .with_no_client_auth()
+}
+
+#[cfg(test)]
+mod tests {
+    use rustls::CipherSuite as Cs;
+
+    #[test]
+    fn aes_128_gcm_leads_with_aes_instructions_and_chacha20_without() {
+        let firsts = |aes| {
+            let order = super::suite_order(aes);
+            let tls13: Vec<Cs> = order.iter().take(3).map(|s| s.suite()).collect();
+            let tls12 = order[3].suite();
+            assert_eq!(order.len(), rustls::crypto::ring::ALL_CIPHER_SUITES.len());
+            (tls13, tls12)
+        };
+        assert_eq!(
+            firsts(true),
+            (
+                vec![
+                    Cs::TLS13_AES_128_GCM_SHA256,
+                    Cs::TLS13_AES_256_GCM_SHA384,
+                    Cs::TLS13_CHACHA20_POLY1305_SHA256
+                ],
+                Cs::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+            )
+        );
+        assert_eq!(
+            firsts(false),
+            (
+                vec![
+                    Cs::TLS13_CHACHA20_POLY1305_SHA256,
+                    Cs::TLS13_AES_128_GCM_SHA256,
+                    Cs::TLS13_AES_256_GCM_SHA384
+                ],
+                Cs::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256
+            )
+        );
+    }
 }

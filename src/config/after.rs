@@ -98,6 +98,20 @@ pub(super) fn concurrency(
             "slots are leases decided in Redis (or counted in this instance)",
         );
     }
+    if let Some(a) = &raw.align {
+        return not_here(
+            at(a),
+            "align",
+            "slots come back when requests end, not at a window's boundary",
+        );
+    }
+    if let Some(t) = &raw.timezone {
+        return not_here(
+            at(t),
+            "timezone",
+            "slots come back when requests end, not at a window's boundary",
+        );
+    }
     if let Some(o) = raw.overrides.as_ref().and_then(|o| o.first()) {
         return not_here(
             at(o),

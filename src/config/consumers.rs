@@ -14,7 +14,7 @@ use serde_saphyr::Spanned;
 
 use super::Invalid;
 use super::overrides_file;
-use super::rate::{DurationText, LUA_PARAM_MAX, parse_rate, precision_problem};
+use super::rate::{DurationText, LUA_PARAM_MAX, parse_plan_rate, precision_problem};
 use super::raw::{RawOverride, RawPlan, RawWhen, Text};
 use super::types::{
     AlgorithmKind, Consistency, Override, OverrideRate, OverridesFile, OverridesTable, Plan, Rate,
@@ -40,6 +40,11 @@ pub(super) struct Shape {
     pub rate: Rate,
     pub cost: u64,
     pub consistency: Consistency,
+    /// Parts in the limit's key: a key text of another number of `|`-separated parts never
+    /// matches.
+    pub key_parts: usize,
+    /// `align: calendar`: the unit its period is written in (`1mo`, not the nominal `30d`).
+    pub calendar: Option<super::CalendarUnit>,
 }
 
 /// `plans:`, in the file's order of names.
@@ -74,7 +79,7 @@ pub(super) fn plans(
                 format!("plan `{name}` has no `rate`: add e.g. `rate: 600/1m`"),
             ));
         };
-        let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(rate_text), e))?;
+        let rate = parse_plan_rate(&rate_text.value).map_err(|e| Invalid::new(at(rate_text), e))?;
         let burst = match &body.value.burst {
             Some(b) => Some(burst_value(b)?),
             None => None,
@@ -126,7 +131,7 @@ fn one_override(
             "this override has no `when`: give `when: {ip: [CIDR, ..]}`, `when: {key: [..]}` or `when: {header: {NAME: VALUE}}` (the limit's own rate is for everyone else)",
         ));
     };
-    let when = when(when_raw, cx, warnings)?;
+    let when = when(when_raw, shape, cx, warnings)?;
     let exempt = raw.exempt.as_ref().is_some_and(|e| e.value);
     let given = [
         exempt.then_some("exempt"),
@@ -166,7 +171,7 @@ fn one_override(
         }
     } else {
         let rate_text = raw.rate.as_ref().expect("one of the three was given");
-        let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(rate_text), e))?;
+        let rate = parse_plan_rate(&rate_text.value).map_err(|e| Invalid::new(at(rate_text), e))?;
         let burst = raw.burst.as_ref().map(burst_value).transpose()?;
         let (rate, burst) = alt_rate(shape, rate, burst)
             .map_err(|why| Invalid::new(at(rate_text), format!("rate {rate} {why}")))?;
@@ -198,7 +203,12 @@ fn find_plan<'p>(t: &Text, plans: &'p [Plan]) -> Checked<&'p Plan> {
     })
 }
 
-fn when(raw: Spanned<RawWhen>, cx: &Consumers<'_>, warnings: &mut Vec<Invalid>) -> Checked<When> {
+fn when(
+    raw: Spanned<RawWhen>,
+    shape: &Shape,
+    cx: &Consumers<'_>,
+    warnings: &mut Vec<Invalid>,
+) -> Checked<When> {
     let when_at = at(&raw);
     let raw = raw.value;
     let ip = match raw.ip {
@@ -226,6 +236,20 @@ fn when(raw: Spanned<RawWhen>, cx: &Consumers<'_>, warnings: &mut Vec<Invalid>) 
                 return Err(Invalid::new(
                     list_at,
                     "when.key needs at least one non-empty key (the limit's key text, as /admin/limits shows it)",
+                ));
+            }
+            if let Some(k) = keys
+                .iter()
+                .find(|k| k.split('|').count() != shape.key_parts)
+            {
+                warnings.push(Invalid::new(
+                    list_at,
+                    format!(
+                        "warning: when.key `{k}` has {} `|`-separated parts and limit `{}`'s key has {}: it never matches (a `|` inside a value is written %7C)",
+                        k.split('|').count(),
+                        shape.name,
+                        shape.key_parts
+                    ),
                 ));
             }
             keys
@@ -285,18 +309,19 @@ fn alt_rate(shape: &Shape, rate: Rate, burst: Option<u64>) -> Result<(Rate, u64)
     if let Some(why) = precision_problem(shape.algorithm, rate) {
         return Err(format!("cannot apply to limit `{}`: {why}", shape.name));
     }
-    let windowed = matches!(
+    // A window's count belongs to its window, and a log is kept (and expires) for one period.
+    let one_period = matches!(
         shape.algorithm,
-        AlgorithmKind::FixedWindow | AlgorithmKind::SlidingWindow
+        AlgorithmKind::FixedWindow | AlgorithmKind::SlidingWindow | AlgorithmKind::SlidingLog
     );
-    if windowed && rate.period != shape.rate.period {
+    if one_period && rate.period != shape.rate.period {
+        let period = match shape.calendar {
+            Some(unit) => unit.to_string(),
+            None => DurationText(shape.rate.period).to_string(),
+        };
         return Err(format!(
-            "cannot apply to limit `{}`: {} counts per window of the limit's period ({}), so an override keeps that period and changes the count (e.g. {}/{})",
-            shape.name,
-            shape.algorithm,
-            DurationText(shape.rate.period),
-            rate.count,
-            DurationText(shape.rate.period),
+            "cannot apply to limit `{}`: {} keeps a key's state for the limit's period ({period}), so an override keeps that period and changes the count (e.g. {}/{period})",
+            shape.name, shape.algorithm, rate.count,
         ));
     }
     let burst = match shape.algorithm {
@@ -318,6 +343,7 @@ pub(super) fn overrides_file(
     t: &Text,
     shape: &Shape,
     cx: &mut Consumers<'_>,
+    warnings: &mut Vec<Invalid>,
 ) -> Checked<OverridesFile> {
     let p = t.value.trim();
     if p.is_empty() {
@@ -330,11 +356,29 @@ pub(super) fn overrides_file(
     let table = match cx.files.get(&path) {
         Some(table) => table.clone(),
         None => {
-            let table = Arc::new(overrides_file::load(&path, cx.plans)?);
+            let table = overrides_file::load(&path, cx.plans).map_err(|e| {
+                Invalid::new(
+                    at(t),
+                    format!("cannot read the overrides file {}: {e}", path.display()),
+                )
+            })??;
+            let table = Arc::new(table);
             cx.files.insert(path.clone(), table.clone());
             table
         }
     };
+    let misshapen = table.misshapen(shape.key_parts);
+    if misshapen > 0 {
+        warnings.push(Invalid::new(
+            at(t),
+            format!(
+                "warning: {misshapen} keys of {} have a number of `|`-separated parts other than limit `{}`'s key ({}): they never match (a `|` inside a value is written %7C)",
+                path.display(),
+                shape.name,
+                shape.key_parts
+            ),
+        ));
+    }
     let (per_plan, _exempt) = table.counts(cx.plans.len());
     let mut plans = Vec::with_capacity(cx.plans.len());
     for (plan, n) in cx.plans.iter().zip(per_plan) {

@@ -14,7 +14,7 @@ use serde_saphyr::Spanned;
 
 use super::Invalid;
 use super::consumers::{Consumers, Shape};
-use super::rate::{DurationText, LUA_PARAM_MAX, parse_rate, precision_problem};
+use super::rate::{DurationText, LUA_PARAM_MAX, precision_problem};
 use super::raw::{RawLimit, Text};
 use super::types::{
     AlgorithmKind, Consistency, KeyPart, LimitConfig, OnLimit, OnMissing, Rate, Scope,
@@ -57,8 +57,8 @@ pub(super) fn limit(
     };
     // A concurrency limit has slots instead of a rate (config/after.rs).
     let slots = super::after::concurrency(&raw, algorithm, limit_at, &name)?;
-    let rate = match &slots {
-        Some(slots) => slots.as_rate(),
+    let (rate, calendar) = match &slots {
+        Some(slots) => (slots.as_rate(), None),
         None => {
             let Some(rate_text) = &raw.rate else {
                 return Err(Invalid::new(
@@ -66,12 +66,16 @@ pub(super) fn limit(
                     format!("limit `{name}` has no `rate`: add e.g. `rate: 100/1m` (COUNT/PERIOD)"),
                 ));
             };
-            let rate = parse_rate(&rate_text.value).map_err(|e| Invalid::new(at(rate_text), e))?;
+            let (rate, calendar) = super::calendar::rate_and_windows(
+                rate_text,
+                raw.align.as_ref(),
+                raw.timezone.as_ref(),
+                algorithm,
+            )?;
             check_precision(algorithm, rate, rate_text)?;
-            rate
+            (rate, calendar)
         }
     };
-
     let key = match raw.key {
         Some(list) => {
             let list_at = at(&list);
@@ -211,6 +215,11 @@ pub(super) fn limit(
                 Consistency::Eventual if on_limit == OnLimit::Delay && !max_delay.is_zero() => {
                     Some("a reserved slot must be taken where every instance sees it")
                 }
+                // The counts exchanged are keyed by epoch windows of one length; a quota of a
+                // day or a month is rarely hot enough per key to need them.
+                Consistency::Eventual if calendar.is_some() => {
+                    Some("calendar windows are decided in Redis on its clock")
+                }
                 _ => None,
             };
             match strict_because {
@@ -241,6 +250,8 @@ pub(super) fn limit(
         rate,
         cost,
         consistency,
+        key_parts: key.len(),
+        calendar: calendar.as_ref().map(|c| c.unit),
     };
     let settle = super::after::settle(raw.settle.take(), algorithm, consistency)?;
     let overrides = match raw.overrides {
@@ -250,7 +261,7 @@ pub(super) fn limit(
     let overrides_file = raw
         .overrides_file
         .as_ref()
-        .map(|t| super::consumers::overrides_file(t, &shape, consumers))
+        .map(|t| super::consumers::overrides_file(t, &shape, consumers, warnings))
         .transpose()?;
 
     Ok(LimitConfig {
@@ -267,6 +278,7 @@ pub(super) fn limit(
         shadow: raw.shadow.unwrap_or(false),
         consistency,
         sync_interval,
+        calendar,
         overrides,
         overrides_file,
         shared: false,

@@ -7,12 +7,14 @@
 //! A `Config` that exists is a config that is safe to run.
 
 mod after;
+mod calendar;
 mod consumers;
 mod limit;
 mod overrides_file;
 mod rate;
 mod raw;
 pub mod redis;
+mod redis_section;
 mod rejection;
 mod summary;
 mod types;
@@ -24,12 +26,14 @@ mod tests;
 
 use std::path::{Path, PathBuf};
 
+pub use self::calendar::{CalendarUnit, CalendarWindows};
 pub use self::summary::summary;
 pub use self::types::{
     AlgorithmKind, ConcurrencyConfig, Config, Consistency, KeyPart, LimitConfig, ListenerTls,
     OnError, OnLimit, OnMissing, Override, OverrideRate, OverridesFile, OverridesTable, PathMatch,
     Piece, Plan, Rate, RedisConfig, RedisTarget, RejectionConfig, RouteConfig, RouteMatch, Scope,
-    ServerConfig, SettleConfig, TableEntry, Template, TemplateError, UpstreamCa, When,
+    SentinelTarget, ServerConfig, SettleConfig, TableEntry, Template, TemplateError, UpstreamCa,
+    When,
 };
 pub use self::validate::{Listener, listen_addr, same_port};
 

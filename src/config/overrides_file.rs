@@ -96,6 +96,15 @@ impl OverridesTable {
         self.arena.capacity() + self.index.capacity() * (std::mem::size_of::<Slot>() + 1)
     }
 
+    /// How many entries' keys have a number of `|`-separated parts other than `parts`: they can
+    /// never match a key of that many parts.
+    pub fn misshapen(&self, parts: usize) -> usize {
+        self.index
+            .iter()
+            .filter(|s| self.key_of(**s).iter().filter(|&&b| b == b'|').count() + 1 != parts)
+            .count()
+    }
+
     /// How many entries give each plan (indexed like the config's `plans`), and how many exempt.
     pub fn counts(&self, plans: usize) -> (Vec<usize>, usize) {
         let mut per_plan = vec![0; plans];
@@ -121,11 +130,17 @@ impl OverridesTable {
 
 /// Reads the overrides file at `path`; its plans are looked up in `plans`. A refusal carries
 /// the file's own path, line and column.
-pub(super) fn load(path: &Path, plans: &[Plan]) -> Result<OverridesTable, Invalid> {
-    let top = Pos { line: 1, column: 1 };
-    let bytes = std::fs::read(path).map_err(|e| {
-        Invalid::new(top, format!("cannot read the overrides file: {e}")).in_other_file(path)
-    })?;
+/// `Ok(Err(_))`: the file could not be read at all (no line of it to point at: the caller
+/// points at the config's `overrides_file:`).
+pub(super) fn load(
+    path: &Path,
+    plans: &[Plan],
+) -> Result<Result<OverridesTable, Invalid>, std::io::Error> {
+    let bytes = std::fs::read(path)?;
+    Ok(read(path, bytes, plans))
+}
+
+fn read(path: &Path, bytes: Vec<u8>, plans: &[Plan]) -> Result<OverridesTable, Invalid> {
     let fingerprint = foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).hash_one(&bytes);
     let text = super::utf8(bytes).map_err(|e| e.in_other_file(path))?;
     parse(&text, plans, fingerprint).map_err(|e| e.in_other_file(path))
@@ -226,7 +241,7 @@ fn plain_lines(text: &str) -> Option<RawTable> {
     let key_char =
         |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'/' | b'+' | b'=' | b'-');
     let name_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-');
-    let mut t = RawTable::new(text.len() / 24);
+    let mut t = RawTable::new(text.len() / 24, text.len());
     let mut name_codes: HashMap<String, u16> = HashMap::new();
     for (n, line) in text.trim_start_matches('\u{feff}').split('\n').enumerate() {
         let line = line.strip_suffix('\r').unwrap_or(line);
@@ -306,6 +321,8 @@ struct RawTable {
     arena: Vec<u8>,
     index: hashbrown::HashTable<Slot>,
     hasher: foldhash::fast::RandomState,
+    /// The key being added, in stored form (reused: no allocation per entry).
+    stored: crate::keytext::KeyBuf,
     /// Each distinct value, where it was first used.
     names: Vec<(String, Pos)>,
     /// The first entry refused, where and why. Kept rather than returned as a serde error, which
@@ -315,9 +332,11 @@ struct RawTable {
 
 impl RawTable {
     /// Adds one entry; `Err` says why it cannot be.
-    fn new(capacity: usize) -> Self {
+    /// Room for about `capacity` entries of `bytes` key bytes in all.
+    fn new(capacity: usize, bytes: usize) -> Self {
         Self {
-            arena: Vec::new(),
+            arena: Vec::with_capacity(bytes),
+            stored: crate::keytext::KeyBuf::new(),
             index: hashbrown::HashTable::with_capacity(capacity),
             hasher: foldhash::fast::RandomState::default(),
             names: Vec::new(),
@@ -351,7 +370,20 @@ impl RawTable {
                 "more than {MAX_ENTRIES} entries: keep a file under that"
             ));
         }
-        let stored = crate::keytext::from_admin(key);
+        let mut stored = std::mem::take(&mut self.stored);
+        crate::keytext::from_admin_into(key, &mut stored);
+        let added = self.insert_stored(key, &stored, (value, value_at), name_codes);
+        self.stored = stored;
+        added
+    }
+
+    fn insert_stored(
+        &mut self,
+        key: &str,
+        stored: &[u8],
+        (value, value_at): (&str, Pos),
+        name_codes: &mut HashMap<String, u16>,
+    ) -> Result<(), String> {
         let (Ok(len), Ok(start)) = (u16::try_from(stored.len()), u32::try_from(self.arena.len()))
         else {
             return Err(
@@ -371,23 +403,19 @@ impl RawTable {
                 c
             }
         };
-        let hash = self.hasher.hash_one(&stored[..]);
+        let hash = self.hasher.hash_one(stored);
         let arena = &self.arena;
         let key_of = |s: &Slot| {
             let b = s.start as usize;
             &arena[b..b + usize::from(s.len)]
         };
-        if self
-            .index
-            .find(hash, |s| key_of(s) == &stored[..])
-            .is_some()
-        {
+        if self.index.find(hash, |s| key_of(s) == stored).is_some() {
             return Err(format!(
                 "`{key}` is listed twice (as the gateway stores keys, `{}`): keep one entry",
-                String::from_utf8_lossy(&stored)
+                String::from_utf8_lossy(stored)
             ));
         }
-        self.arena.extend_from_slice(&stored);
+        self.arena.extend_from_slice(stored);
         let (hasher, arena) = (&self.hasher, &self.arena);
         self.index
             .insert_unique(hash, Slot { start, len, code }, |s| {
@@ -414,7 +442,7 @@ impl<'de> Visitor<'de> for TableVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTable, A::Error> {
-        let mut t = RawTable::new(map.size_hint().unwrap_or(0));
+        let mut t = RawTable::new(map.size_hint().unwrap_or(0), 0);
         let mut name_codes: HashMap<String, u16> = HashMap::new();
         while let Some(key) = map.next_key::<Spanned<String>>()? {
             let value: Spanned<String> = map.next_value()?;

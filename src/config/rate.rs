@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::calendar::CalendarUnit;
 use super::types::AlgorithmKind;
 
 /// Global limits are computed in Lua, whose numbers are doubles (exact integers below 2^53);
@@ -71,6 +72,74 @@ pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
 /// `10/s`, `5/500ms`, `3/1.5s`.
 pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
     let help = "write COUNT/PERIOD, e.g. 100/1m, 10/s or 5/500ms (units ms, s, m, h, d)";
+    let (count, number, unit) = split_rate(text, help)?;
+    if matches!(unit, "w" | "mo") {
+        return Err(format!(
+            "rate `{text}`: weeks and months are calendar periods: add `align: calendar` (fixed_window) for windows from Monday or from the 1st, or write the period in days (7d, 30d) for windows of a fixed length"
+        ));
+    }
+    let number = if number.is_empty() { "1" } else { number };
+    let period = period_text(text);
+    let period = to_duration(number, unit, period).map_err(|e| format!("rate `{text}`: {e}"))?;
+    if period.is_zero() {
+        return Err(format!("rate `{text}`: the period must be longer than 0"));
+    }
+    Ok(Rate { count, period })
+}
+
+/// A plan's or an override's rate: [`parse_rate`]'s, and `COUNT/1w` or `COUNT/1mo` too, as their
+/// nominal 7 and 30 days, so that a plan can give a calendar limit of weeks or months another
+/// count (applied to any other limit they are those lengths).
+pub(super) fn parse_plan_rate(text: &str) -> Result<Rate, String> {
+    match parse_calendar_rate(text) {
+        Ok((count, unit @ (CalendarUnit::Week | CalendarUnit::Month))) => Ok(Rate {
+            count,
+            period: unit.nominal(),
+        }),
+        _ => parse_rate(text),
+    }
+}
+
+/// A rate under `align: calendar`: `COUNT/1d`, `COUNT/1w` or `COUNT/1mo` (the `1` may be left
+/// out, as in `10/s`), with the window's unit.
+pub(super) fn parse_calendar_rate(text: &str) -> Result<(u64, CalendarUnit), String> {
+    let help = "write COUNT/1d, COUNT/1w or COUNT/1mo";
+    let (count, number, unit) = split_rate(text, help)?;
+    let period = period_text(text);
+    let unit = match (number, calendar_unit(unit)) {
+        ("" | "1", Some(unit)) => unit,
+        _ => {
+            return Err(format!(
+                "rate `{text}`: align: calendar takes a period of 1d, 1w or 1mo (a day from local midnight, a week from Monday, a month from the 1st); `{period}` is none of them{}",
+                if number.is_empty() || number == "1" {
+                    ""
+                } else {
+                    ": a multiple has no calendar day to start from"
+                }
+            ));
+        }
+    };
+    Ok((count, unit))
+}
+
+/// The calendar unit a period's unit names: `d`, `w` or `mo`.
+fn calendar_unit(unit: &str) -> Option<CalendarUnit> {
+    match unit {
+        "d" => Some(CalendarUnit::Day),
+        "w" => Some(CalendarUnit::Week),
+        "mo" => Some(CalendarUnit::Month),
+        _ => None,
+    }
+}
+
+/// The PERIOD of a rate's text, trimmed (empty when there is no `/`).
+fn period_text(text: &str) -> &str {
+    text.split_once('/').map_or("", |(_, p)| p.trim())
+}
+
+/// `COUNT/PERIOD` split into the count (checked: a whole number, at least 1) and the period's
+/// number (possibly empty) and unit (not empty). `help` says what to write instead.
+fn split_rate<'t>(text: &'t str, help: &str) -> Result<(u64, &'t str, &'t str), String> {
     let Some((count, period)) = text.trim().split_once('/') else {
         return Err(format!("rate `{text}` has no `/`: {help}"));
     };
@@ -91,12 +160,7 @@ pub(super) fn parse_rate(text: &str) -> Result<Rate, String> {
     if unit.is_empty() {
         return Err(format!("rate `{text}`: the period needs a unit: {help}"));
     }
-    let number = if number.is_empty() { "1" } else { number };
-    let period = to_duration(number, unit, period).map_err(|e| format!("rate `{text}`: {e}"))?;
-    if period.is_zero() {
-        return Err(format!("rate `{text}`: the period must be longer than 0"));
-    }
-    Ok(Rate { count, period })
+    Ok((count, number, unit))
 }
 
 /// The characters of a duration's number: digits and one decimal point.

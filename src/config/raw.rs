@@ -65,6 +65,7 @@ pub(super) struct RawServer {
     pub trusted_proxies: Option<Spanned<OneOrMany>>,
     pub grace_period: Option<Text>,
     pub max_waiters: Option<Spanned<u64>>,
+    pub max_keys: Option<Spanned<u64>>,
     pub admin_token: Option<Text>,
     pub tls: Option<Spanned<RawTls>>,
     pub upstream_ca: Option<Text>,
@@ -84,9 +85,19 @@ pub(super) struct RawTls {
 pub(super) struct RawRedis {
     pub url: Option<Text>,
     pub cluster: Option<Spanned<OneOrMany>>,
+    pub sentinel: Option<Spanned<RawSentinel>>,
     pub timeout: Option<Text>,
     pub on_error: Option<Text>,
     pub pool_size: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSentinel {
+    pub master: Option<Text>,
+    pub nodes: Option<Spanned<OneOrMany>>,
+    pub username: Option<Text>,
+    pub password: Option<Text>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -140,6 +151,8 @@ pub(super) struct RawLimit {
     pub shadow: Option<bool>,
     pub consistency: Option<Text>,
     pub sync_interval: Option<Text>,
+    pub align: Option<Text>,
+    pub timezone: Option<Text>,
     pub overrides: Option<Vec<Spanned<RawOverride>>>,
     pub overrides_file: Option<Text>,
     // Limits that end after the response (config/after.rs).

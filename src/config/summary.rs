@@ -6,6 +6,7 @@
 
 use std::fmt::Write as _;
 
+use super::calendar::{CalendarUnit, CalendarWindows};
 use super::rate::DurationText;
 use super::types::{
     AlgorithmKind, Config, Consistency, KeyPart, LimitConfig, OnError, OnLimit, OverrideRate,
@@ -13,8 +14,14 @@ use super::types::{
 };
 
 /// What `tollgate check` prints for `cfg`: listeners, Redis (credentials redacted), and each
-/// route and limit with its defaults spelled out and its admission bound in words.
+/// route and limit with its defaults spelled out and its admission bound in words; a calendar
+/// limit with its window now.
 pub fn summary(cfg: &Config) -> String {
+    summary_at(cfg, jiff::Timestamp::now())
+}
+
+/// [`summary`] with calendar windows shown as they are at `now`.
+pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
     let mut out = String::new();
     let s = &cfg.server;
     let token = if s.admin_token.is_some() {
@@ -48,6 +55,7 @@ pub fn summary(cfg: &Config) -> String {
         DurationText(s.grace_period),
         s.max_waiters
     );
+    let _ = writeln!(out, "keys     {}", key_budget(s.max_keys));
     let upstream_trust = match &s.upstream_ca {
         None => "system roots".to_owned(),
         Some(ca) => format!(
@@ -80,6 +88,20 @@ pub fn summary(cfg: &Config) -> String {
                         .map(|u| redact_url(u))
                         .collect::<Vec<_>>()
                         .join(", ")
+                ),
+                RedisTarget::Sentinel(s) => format!(
+                    "sentinel master {} via {}{}",
+                    s.master,
+                    s.nodes
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    match (&s.username, &s.password) {
+                        (Some(user), Some(_)) => format!(" (master as user {user}, password set)"),
+                        (None, Some(_)) => " (master password set)".to_string(),
+                        _ => String::new(),
+                    }
                 ),
             };
             let on_error = match r.on_error {
@@ -124,7 +146,7 @@ pub fn summary(cfg: &Config) -> String {
             } else {
                 format!("used by {}", users.join(", "))
             };
-            write_limit(&mut out, limit, Some(&used));
+            write_limit(&mut out, limit, Some(&used), now);
         }
     }
     if cfg.routes.is_empty() {
@@ -133,12 +155,59 @@ pub fn summary(cfg: &Config) -> String {
         let _ = writeln!(out, "routes   {} (first match wins)", cfg.routes.len());
     }
     for route in &cfg.routes {
-        write_route(&mut out, route);
+        write_route(&mut out, route, now);
     }
     out
 }
 
-fn write_route(out: &mut String, route: &RouteConfig) {
+/// The key budget in words: how many, where the number came from, and what happens past it.
+fn key_budget(max_keys: usize) -> String {
+    use crate::limit::budget::{BYTES_PER_KEY, MEMORY_SHARE, default_max_keys};
+    let d = default_max_keys();
+    let source = if max_keys == d.keys {
+        match d.memory {
+            Some(m) => format!(
+                "default: 1/{MEMORY_SHARE} of {} memory at {BYTES_PER_KEY} B per key",
+                mib(m)
+            ),
+            None => "default: memory unknown, taken as 1 GiB".to_owned(),
+        }
+    } else {
+        format!(
+            "max_keys; about {} at {BYTES_PER_KEY} B per key",
+            mib(max_keys as u64 * BYTES_PER_KEY)
+        )
+    };
+    format!(
+        "at most {} held in process ({source}); past it the keys closest to full go first",
+        thousands(max_keys as u64)
+    )
+}
+
+/// `bytes` as MiB or GiB, one decimal.
+fn mib(bytes: u64) -> String {
+    let mib = bytes as f64 / f64::from(1 << 20);
+    if mib >= 1024.0 {
+        format!("{:.1} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+/// `n` with a comma every three digits.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn write_route(out: &mut String, route: &RouteConfig, now: jiff::Timestamp) {
     let m = &route.matcher;
     let path = match &m.path {
         PathMatch::Exact(p) => format!("path {p}"),
@@ -208,18 +277,29 @@ fn write_route(out: &mut String, route: &RouteConfig) {
                 limit.name
             );
         } else {
-            write_limit(out, limit, None);
+            write_limit(out, limit, None, now);
         }
     }
 }
 
-/// One limit's lines; `used` says which routes draw on a shared one.
-fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
+/// One limit's lines; `used` says which routes draw on a shared one; a calendar limit's
+/// current window is shown as it is at `now`.
+fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>, now: jiff::Timestamp) {
     if let Some(slots) = &l.concurrency {
         write_slots(out, l, slots, used);
         return;
     }
-    let mut algo = format!("{} {}", l.algorithm, l.rate);
+    let mut algo = match &l.calendar {
+        None => format!("{} {}", l.algorithm, l.rate),
+        Some(c) => format!(
+            "{} {}/{}, calendar {}s in {}",
+            l.algorithm,
+            l.rate.count,
+            c.unit,
+            c.unit.noun(),
+            c.zone_name()
+        ),
+    };
     if l.algorithm == AlgorithmKind::Gcra {
         let _ = write!(algo, " burst {}", l.burst);
     }
@@ -259,6 +339,9 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
     if let Some(settle) = &l.settle {
         let _ = writeln!(out, "    {}", settle_line(settle));
     }
+    if let Some(c) = &l.calendar {
+        let _ = writeln!(out, "    {}", current_window(c, now));
+    }
     if let Some(used) = used {
         let _ = writeln!(out, "    {used}");
     }
@@ -281,21 +364,26 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>) {
         );
     }
     if let Some(f) = &l.overrides_file {
-        let names: Vec<String> = f
+        let (per_plan, exempt) = f.table.counts(f.plans.len());
+        let mut given: Vec<String> = f
             .plans
             .iter()
-            .flatten()
-            .map(|p| override_rate(p, l))
+            .zip(per_plan)
+            .filter_map(|(p, n)| Some(format!("{n} {}", override_rate(p.as_ref()?, l))))
             .collect();
+        if exempt > 0 {
+            given.push(format!("{exempt} exempt"));
+        }
+        let n = f.table.len();
         let _ = writeln!(
             out,
-            "    overrides file {}: {} keys{}; consulted after the overrides, reloaded when it changes",
+            "    overrides file {}: {n} key{}{}; consulted after the overrides, reloaded when it changes",
             f.path.display(),
-            f.table.len(),
-            if names.is_empty() {
+            if n == 1 { "" } else { "s" },
+            if given.is_empty() {
                 String::new()
             } else {
-                format!("; plans {}", names.join(", "))
+                format!(" ({})", given.join(", "))
             },
         );
     }
@@ -386,10 +474,11 @@ fn override_rate(then: &OverrideRate, l: &LimitConfig) -> String {
     match then {
         OverrideRate::Exempt => "exempt (not counted)".to_owned(),
         OverrideRate::Rate { plan, rate, burst } => {
-            let quota = if l.algorithm == AlgorithmKind::Gcra {
-                format!("{rate} burst {burst}")
-            } else {
-                rate.to_string()
+            let quota = match &l.calendar {
+                _ if l.algorithm == AlgorithmKind::Gcra => format!("{rate} burst {burst}"),
+                // The limit's calendar unit: 1mo, not its nominal 30d.
+                Some(c) => format!("{}/{}", rate.count, c.unit),
+                None => rate.to_string(),
             };
             match plan {
                 Some(p) => format!("plan {p} ({quota})"),
@@ -397,6 +486,43 @@ fn override_rate(then: &OverrideRate, l: &LimitConfig) -> String {
             }
         }
     }
+}
+
+/// The calendar window holding `now`, in the zone's civil time: when the budget was last full
+/// and when it is full again.
+fn current_window(c: &CalendarWindows, now: jiff::Timestamp) -> String {
+    use crate::limit::algorithm::{Calendar, calendar::Unit};
+    let unit = match c.unit {
+        CalendarUnit::Day => Unit::Day,
+        CalendarUnit::Week => Unit::Week,
+        CalendarUnit::Month => Unit::Month,
+    };
+    let micros = u64::try_from(now.as_microsecond()).unwrap_or(0);
+    let (start, end) = Calendar::new(unit, c.timezone.clone()).window_at(micros);
+    let civil = |t: u64| {
+        i64::try_from(t)
+            .ok()
+            .and_then(|t| jiff::Timestamp::from_microsecond(t).ok())
+            .map_or_else(
+                || "?".to_owned(),
+                |t| {
+                    t.to_zoned_datetime(c.timezone.clone())
+                        .strftime("%Y-%m-%d %H:%M %Z")
+                        .to_string()
+                },
+            )
+    };
+    format!(
+        "current window {} to {} ({}); the next starts at {}",
+        civil(start),
+        civil(end),
+        span_text(end - start),
+        match c.unit {
+            CalendarUnit::Day => "local midnight",
+            CalendarUnit::Week => "Monday 00:00",
+            CalendarUnit::Month => "00:00 on the 1st",
+        }
+    )
 }
 
 /// The spec's upper bound on admissions in any interval of one period, per key.
@@ -412,6 +538,25 @@ fn admission_bound(l: &LimitConfig) -> String {
                     "at most {total}{} per {period} (burst {} + {count})",
                     unit_word(l.cost),
                     l.burst
+                ),
+            )
+        }
+        AlgorithmKind::FixedWindow if l.calendar.is_some() => {
+            let total = count.saturating_mul(2);
+            let (noun, zone) = l
+                .calendar
+                .as_ref()
+                .map_or(("day", "UTC"), |c| (c.unit.noun(), c.zone_name()));
+            let changes = if noun == "day" {
+                "a day is 23 or 25 hours where the zone changes its clocks".to_owned()
+            } else {
+                format!("a {noun} holding a clock change is an hour shorter or longer")
+            };
+            (
+                total,
+                format!(
+                    "at most {count}{} per calendar {noun} ({zone} civil time: {changes}); {total} across a window boundary (2 × {count})",
+                    unit_word(l.cost)
                 ),
             )
         }
@@ -464,6 +609,27 @@ fn admission_bound(l: &LimitConfig) -> String {
         text = format!("not enforced (shadow); would allow {text}");
     }
     text
+}
+
+/// A window's length as a person says it: `23 h`, `7 days 1 h`, `31 days`, `23 h 30 min`.
+fn span_text(micros: u64) -> String {
+    let minutes = micros / 60_000_000;
+    let (days, hours, mins) = (minutes / 1440, minutes / 60 % 24, minutes % 60);
+    let mut parts = Vec::new();
+    if days <= 1 {
+        if days * 24 + hours > 0 {
+            parts.push(format!("{} h", days * 24 + hours));
+        }
+    } else {
+        parts.push(format!("{days} days"));
+        if hours > 0 {
+            parts.push(format!("{hours} h"));
+        }
+    }
+    if mins > 0 || parts.is_empty() {
+        parts.push(format!("{mins} min"));
+    }
+    parts.join(" ")
 }
 
 fn unit_word(cost: u64) -> &'static str {

@@ -93,6 +93,10 @@ pub struct ServerConfig {
     /// Cap on delayed requests waiting per route, so `on_limit: delay` cannot
     /// pile up unbounded memory and sockets.
     pub max_waiters: usize,
+    /// The most keys the in-process stores hold together (local limits' state, the tier in
+    /// front of Redis, eventual counts); past it, the keys closest to full are evicted first.
+    /// Default: derived from the memory the process may use (`limit::budget`).
+    pub max_keys: usize,
     /// Bearer token for `/admin/*`; `None` leaves them open to whoever reaches
     /// the admin listener.
     #[serde(serialize_with = "serialize_secret")]
@@ -168,6 +172,7 @@ impl Default for ServerConfig {
             trusted_proxies: Vec::new(),
             grace_period: Duration::from_secs(30),
             max_waiters: 1024,
+            max_keys: crate::limit::budget::default_max_keys().keys,
             admin_token: None,
             tls: None,
             upstream_ca: None,
@@ -180,7 +185,7 @@ impl Default for ServerConfig {
 /// The `redis` section: where `global` limits keep their state.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RedisConfig {
-    /// `url: ..` or `cluster: [..]` right in the section, as in the YAML.
+    /// `url: ..`, `cluster: [..]` or `sentinel: {..}` right in the section, as in the YAML.
     #[serde(flatten)]
     pub target: RedisTarget,
     /// Per command: a slow Redis must not hold requests longer than this.
@@ -192,8 +197,8 @@ pub struct RedisConfig {
     pub pool_size: usize,
 }
 
-/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}` or
-/// `{"cluster": [..]}`.
+/// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}`,
+/// `{"cluster": [..]}` or `{"sentinel": {"master": .., "nodes": [..]}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum RedisTarget {
     /// `redis://[user:pass@]host:port[/db]`; a `redis-cluster://host:port?node=h2:p2` URL
@@ -203,6 +208,31 @@ pub enum RedisTarget {
     /// Seed nodes of a Redis Cluster (`redis://host:port` each); the rest is discovered.
     #[serde(rename = "cluster")]
     Cluster(#[serde(serialize_with = "serialize_redis_urls")] Vec<String>),
+    /// A master that Redis Sentinel names: the sentinels say which server it is, at connect
+    /// and after a failover, so a failover is followed without a restart.
+    #[serde(rename = "sentinel")]
+    Sentinel(SentinelTarget),
+}
+
+/// `redis.sentinel`: which master, asked of which sentinels, and the credentials of each side
+/// (sentinels and Redis servers are configured apart, and often authenticate apart).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SentinelTarget {
+    /// The master's name in the sentinels' configuration (`sentinel monitor NAME ...`).
+    pub master: String,
+    /// Sentinels, `redis://[user:pass@]host:port` (port 26379 when left out); the credentials
+    /// in these URLs are the sentinels' own. Every node has the same credentials and scheme.
+    #[serde(serialize_with = "serialize_redis_urls")]
+    pub nodes: Vec<String>,
+    /// ACL user on the master (and on a replica once promoted); `None`: `default`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Password on the master (and on a replica once promoted); `None`: no `AUTH`.
+    #[serde(
+        serialize_with = "serialize_secret",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub password: Option<String>,
 }
 
 /// What a `global` limit decides when Redis does not answer.
@@ -303,6 +333,9 @@ pub struct LimitConfig {
     pub consistency: Consistency,
     /// How often an `eventual` limit exchanges counts with Redis.
     pub sync_interval: Duration,
+    /// `align: calendar` (fixed_window only): windows are the days, weeks or months of a zone,
+    /// and `rate.period` their nominal length. `None`: windows aligned to the epoch.
+    pub calendar: Option<super::CalendarWindows>,
     /// Other rates (or none at all) for some requests' keys: the first that matches applies.
     pub overrides: Vec<Override>,
     /// `KEY: PLAN` / `KEY: exempt` for many keys, consulted after `overrides`.
@@ -477,7 +510,10 @@ impl Serialize for LimitConfig {
         m.serialize_field("key", &self.key)?;
         m.serialize_field("on_missing", &self.on_missing)?;
         m.serialize_field("algorithm", &self.algorithm)?;
-        m.serialize_field("rate", &self.rate)?;
+        match &self.calendar {
+            None => m.serialize_field("rate", &self.rate)?,
+            Some(c) => m.serialize_field("rate", &format!("{}/{}", self.rate.count, c.unit))?,
+        }
         if gcra {
             m.serialize_field("burst", &self.burst)?;
         } else {
@@ -493,6 +529,13 @@ impl Serialize for LimitConfig {
             "sync_interval",
             &DurationText(self.sync_interval).to_string(),
         )?;
+        if let Some(c) = &self.calendar {
+            m.serialize_field("align", "calendar")?;
+            m.serialize_field("timezone", c.zone_name())?;
+        } else {
+            m.skip_field("align")?;
+            m.skip_field("timezone")?;
+        }
         if self.overrides.is_empty() {
             m.skip_field("overrides")?;
         } else {

@@ -15,12 +15,9 @@ use serde_saphyr::Spanned;
 use super::consumers::Consumers;
 use super::limit;
 use super::rate::parse_duration;
-use super::raw::{
-    OneOrMany, RawConfig, RawLimit, RawMatch, RawRedis, RawRoute, RawServer, RawTls, Text,
-};
+use super::raw::{OneOrMany, RawConfig, RawLimit, RawMatch, RawRoute, RawServer, RawTls, Text};
 use super::types::{
-    Config, LimitConfig, ListenerTls, OnError, PathMatch, RedisConfig, RedisTarget, RouteConfig,
-    RouteMatch, ServerConfig, UpstreamCa,
+    Config, LimitConfig, ListenerTls, PathMatch, RouteConfig, RouteMatch, ServerConfig, UpstreamCa,
 };
 use super::{Invalid, Pos};
 
@@ -34,7 +31,7 @@ pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -
         .map(|s| server(s, base))
         .transpose()?
         .unwrap_or_default();
-    let redis = raw.redis.map(redis).transpose()?;
+    let redis = raw.redis.map(super::redis_section::redis).transpose()?;
     let plans = super::consumers::plans(raw.plans)?;
     let mut consumers = Consumers {
         plans: &plans,
@@ -134,6 +131,9 @@ fn server(raw: RawServer, base: &Path) -> Checked<ServerConfig> {
         max_waiters: raw
             .max_waiters
             .map_or(Ok(defaults.max_waiters), |n| usize_of(&n))?,
+        max_keys: raw
+            .max_keys
+            .map_or(Ok(defaults.max_keys), |n| max_keys(&n))?,
         admin_token,
         tls,
         upstream_ca,
@@ -266,61 +266,9 @@ fn admin_token(t: &Text) -> Checked<String> {
     Ok(t.value.clone())
 }
 
-fn redis(raw: Spanned<RawRedis>) -> Checked<RedisConfig> {
-    let redis_at = at(&raw);
-    let raw = raw.value;
-    let target = match (raw.url, raw.cluster) {
-        (Some(url), None) => RedisTarget::Single(redis_url(&url)?),
-        (None, Some(list)) => {
-            let list_at = at(&list);
-            let nodes = items(list);
-            if nodes.is_empty() {
-                return Err(Invalid::new(
-                    list_at,
-                    "cluster lists no node: give at least one redis://HOST:PORT",
-                ));
-            }
-            RedisTarget::Cluster(nodes.iter().map(redis_url).collect::<Checked<_>>()?)
-        }
-        (Some(_), Some(list)) => {
-            return Err(Invalid::new(
-                at(&list),
-                "redis has both `url` and `cluster`: set `url` for one server or `cluster` for a Redis Cluster, not both",
-            ));
-        }
-        (None, None) => {
-            return Err(Invalid::new(
-                redis_at,
-                "redis needs `url: redis://HOST:PORT` or `cluster: [redis://HOST:PORT, ...]`; remove the section to keep every limit local",
-            ));
-        }
-    };
-    let on_error = match &raw.on_error {
-        Some(t) => keyword(
-            t,
-            "on_error",
-            &[("allow", OnError::Allow), ("deny", OnError::Deny)],
-        )?,
-        None => OnError::Allow,
-    };
-    let pool_size = match raw.pool_size {
-        Some(n) if n.value == 0 => {
-            return Err(Invalid::new(at(&n), "pool_size must be at least 1"));
-        }
-        Some(n) => usize_of(&n)?,
-        None => 2,
-    };
-    Ok(RedisConfig {
-        target,
-        timeout: positive_duration_or(raw.timeout.as_ref(), "timeout", Duration::from_millis(50))?,
-        on_error,
-        pool_size,
-    })
-}
-
 /// `/admin/config` shows secrets as a placeholder; a file saved from it must not load with the
 /// placeholder as the secret (a token everyone knows, a Redis user named after it).
-fn redacted(t: &Text) -> Invalid {
+pub(super) fn redacted(t: &Text) -> Invalid {
     Invalid::new(
         at(t),
         format!(
@@ -328,37 +276,6 @@ fn redacted(t: &Text) -> Invalid {
             super::types::REDACTED
         ),
     )
-}
-
-fn redis_url(t: &Text) -> Checked<String> {
-    if t.value.contains(super::types::REDACTED) {
-        return Err(redacted(t));
-    }
-    let url = t.value.trim();
-    let host = url
-        .strip_prefix("redis://")
-        .or_else(|| url.strip_prefix("rediss://"));
-    let Some(rest) = host else {
-        return Err(Invalid::new(
-            at(t),
-            format!("redis URL `{url}` must start with redis:// or rediss:// (TLS)"),
-        ));
-    };
-    let authority = rest.split(['/', '?']).next().unwrap_or("");
-    let host_port = authority.rsplit('@').next().unwrap_or("");
-    if host_port.is_empty() || host_port.starts_with(':') {
-        return Err(Invalid::new(
-            at(t),
-            format!("redis URL `{url}` has no host: write redis://HOST:PORT"),
-        ));
-    }
-    if let Err(why) = super::redis::parse_url(url) {
-        return Err(Invalid::new(
-            at(t),
-            format!("redis URL `{url}` does not parse: {why}"),
-        ));
-    }
-    Ok(url.to_owned())
 }
 
 fn route(
@@ -737,7 +654,23 @@ pub(super) fn positive_duration_or(
     }
 }
 
-fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
+/// `server.max_keys`: a whole number of keys, at least [`MIN_MAX_KEYS`](crate::limit::budget::MIN_MAX_KEYS).
+fn max_keys(n: &Spanned<u64>) -> Checked<usize> {
+    let min = crate::limit::budget::MIN_MAX_KEYS;
+    let keys = usize_of(n)?;
+    if keys < min {
+        return Err(Invalid::new(
+            at(n),
+            format!(
+                "max_keys {keys} is too small: give at least {min} (the keys all in-process limit stores hold together; about {} bytes each), or leave it out for a default from the machine's memory",
+                crate::limit::budget::BYTES_PER_KEY
+            ),
+        ));
+    }
+    Ok(keys)
+}
+
+pub(super) fn usize_of(n: &Spanned<u64>) -> Checked<usize> {
     usize::try_from(n.value).map_err(|_| Invalid::new(at(n), format!("{} is too large", n.value)))
 }
 

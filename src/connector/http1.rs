@@ -260,12 +260,12 @@ impl PooledBody {
 
 impl HttpBody for PooledBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = super::BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, super::BoxError>>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         match &polled {
@@ -275,7 +275,7 @@ impl HttpBody for PooledBody {
             Poll::Ready(Some(Err(_))) => this.back = None,
             _ => {}
         }
-        polled
+        polled.map_err(Into::into)
     }
 
     fn is_end_stream(&self) -> bool {

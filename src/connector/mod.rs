@@ -45,8 +45,10 @@ use http_body_util::combinators::BoxBody;
 
 use self::http1::Host;
 
-/// The one body type for everything the hyper codec sends: upstream bodies and its own.
-pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+/// The one body type for everything the hyper codec sends: upstream bodies and its own. Its
+/// error is boxed, not hyper's: a body read from a raw pooled connection (`proxy::raw_upstream`)
+/// fails with errors of its own.
+pub(crate) type Body = BoxBody<Bytes, BoxError>;
 
 /// TCP connect to a plain upstream, on either pool.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -99,7 +101,8 @@ fn millis() -> u64 {
     START.get_or_init(Instant::now).elapsed().as_millis() as u64
 }
 
-type BoxError = Box<dyn StdError + Send + Sync>;
+/// Any error, boxed.
+pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 type Pooled = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Body>;
 
 /// TCP connect plus TLS handshake to an upstream that is dialled for HTTP/2.

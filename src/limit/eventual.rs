@@ -30,14 +30,88 @@
 //! A failed sync loses nothing: the unpushed units stay and are pushed by the next sync that
 //! succeeds; meanwhile each instance keeps deciding with what it knows. A sync that was written
 //! but timed out (Redis stalled) is not pushed again: Redis runs it once it catches up.
+//!
+//! **Bounded.** The store holds at most its share of `server.max_keys` ([`EventualStore::set_budget`]).
+//! A full shard evicts first the keys with nothing to push (Redis holds all they know), the one
+//! with the most units left first; a key with units not yet pushed is evicted only when every
+//! candidate has some, and then its units are not lost: they wait in a queue of evicted keys
+//! that the next sync pushes (push only: the key is not learned back). That queue is bounded
+//! too ([`EventualStore::leftover_cap`]); units that find it full are dropped and counted
+//! ([`EventualStore::take_lost`]), never silently.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use super::algorithm::{
     Algorithm, GcraState, Micros, Rejection, SlidingState, Snapshot, State, WindowState,
 };
-use super::local::sharded::{Shard, Sharded};
-use parking_lot::MutexGuard;
+use super::local::sharded::{Evicted, Rank, Shard, Sharded};
+use parking_lot::{Mutex, MutexGuard};
+
+/// Ranks at and above this are keys with nothing to push, evicted before any key that has.
+const SYNCED: Rank = 1 << 62;
+
+/// The fewest evicted keys whose units the queue keeps for the next sync, whatever the budget.
+const LEFTOVERS_MIN: usize = 1024;
+
+/// How close a key's counts are to full, for eviction (see the module doc): keys with nothing
+/// to push and no pull in flight first, each band by the units the limit has left at `now`
+/// (Redis time).
+fn rank(algorithm: &Algorithm, now: Micros) -> impl Fn(&Counts) -> Rank + '_ {
+    move |c| {
+        let p = period(algorithm);
+        let mut rolled = *c;
+        rolled.roll(now - now % p, p);
+        let left = algorithm
+            .peek(&rolled.state(algorithm), now)
+            .remaining
+            .min(SYNCED - 1);
+        if c.own_curr == 0 && c.own_prev == 0 && c.lead == 0 {
+            SYNCED + left
+        } else {
+            left
+        }
+    }
+}
+
+/// Evicted keys' units waiting for the next sync, and the units that found the queue full.
+#[derive(Default)]
+struct Leftovers {
+    items: Mutex<Vec<SyncItem>>,
+    /// Units dropped since [`EventualStore::take_lost`] last asked.
+    lost: AtomicU64,
+}
+
+impl Leftovers {
+    /// Keeps an evicted key's unpushed units for the next sync, when it has any; at most `cap`
+    /// keys wait.
+    fn keep(&self, e: Evicted<Counts>, cap: usize) {
+        let c = e.value;
+        if c.own_curr == 0 && c.own_prev == 0 {
+            return;
+        }
+        self.push(
+            SyncItem {
+                key: e.key.to_vec(),
+                ws: c.ws,
+                push_curr: c.own_curr,
+                push_prev: c.own_prev,
+                evicted: true,
+            },
+            cap,
+        );
+    }
+
+    fn push(&self, item: SyncItem, cap: usize) {
+        let mut items = self.items.lock();
+        if items.len() < cap {
+            items.push(item);
+        } else {
+            drop(items);
+            self.lost
+                .fetch_add(item.push_curr + item.push_prev, Ordering::Relaxed);
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Counts {
@@ -148,6 +222,9 @@ pub struct SyncItem {
     pub push_curr: u64,
     /// Units admitted here in the window before `ws` and not pushed yet (gcra: none).
     pub push_prev: u64,
+    /// The key was evicted: its units are pushed, and nothing is learned back (the key is not
+    /// held again for it).
+    pub evicted: bool,
 }
 
 impl SyncItem {
@@ -158,6 +235,7 @@ impl SyncItem {
             ws,
             push_curr: 0,
             push_prev: 0,
+            evicted: false,
         }
     }
 }
@@ -203,13 +281,21 @@ impl Drop for LearnGuard<'_> {
             {
                 let period = self.period;
                 let started = self.started;
-                shard.update(hash, &self.key, 0, Counts::default, |c, _| {
-                    c.lead = 0;
-                    // Learned or not (Redis down), the next pull waits `fresh_for`: an outage
-                    // costs one attempt per key and interval, not one per request.
-                    c.tried = c.tried.max(started);
-                    c.expires(period)
-                });
+                // In place (the key is held): nothing is inserted, so nothing is evicted.
+                let _ = shard.update(
+                    hash,
+                    &self.key,
+                    0,
+                    Counts::default,
+                    |c, _| {
+                        c.lead = 0;
+                        // Learned or not (Redis down), the next pull waits `fresh_for`: an
+                        // outage costs one attempt per key and interval, not one per request.
+                        c.tried = c.tried.max(started);
+                        c.expires(period)
+                    },
+                    |_| 0,
+                );
             }
         }
         self.store.learned.notify_waiters();
@@ -230,6 +316,8 @@ pub struct EventualStore {
     offset_known: std::sync::atomic::AtomicBool,
     /// Local time of the last sync.
     pub last_sync: AtomicU64,
+    /// Evicted keys' units for the next sync.
+    leftovers: Leftovers,
 }
 
 impl std::fmt::Debug for EventualStore {
@@ -245,6 +333,7 @@ impl std::fmt::Debug for EventualStore {
 /// request with local limits too keeps this while they decide (eventual locks are always taken
 /// before local ones, each kind in store-address order, so two requests cannot deadlock).
 pub struct Held<'a> {
+    store: &'a EventualStore,
     shard: MutexGuard<'a, Shard<Counts>>,
     hash: u64,
     key: &'a [u8],
@@ -275,7 +364,7 @@ impl Held<'_> {
     /// it needs fresh totals).
     pub fn charge(&mut self, algorithm: &Algorithm, cost: u64) {
         let (now, p) = (self.now, self.period);
-        self.shard.update(
+        let evicted = self.shard.update(
             self.hash,
             self.key,
             now,
@@ -287,7 +376,9 @@ impl Held<'_> {
                 c.charge(algorithm, now, cost);
                 c.expires(p)
             },
+            rank(algorithm, now),
         );
+        self.store.keep(evicted);
     }
 }
 
@@ -351,7 +442,7 @@ impl EventualStore {
             .fetch_add(1, Ordering::Relaxed)
             .wrapping_add(1)
             .max(1);
-        shard.update(
+        let evicted = shard.update(
             hash,
             key,
             now,
@@ -370,7 +461,10 @@ impl EventualStore {
                     lead_ends
                 }
             },
+            rank(algorithm, now),
         );
+        drop(shard);
+        self.keep(evicted);
         Learn::Lead(LearnGuard {
             store: self,
             key: key.to_vec(),
@@ -449,6 +543,7 @@ impl EventualStore {
         let now = self.redis_now(local_now);
         let hash = self.map.hash(key);
         Held {
+            store: self,
             shard: self.map.lock(hash),
             hash,
             key,
@@ -457,10 +552,11 @@ impl EventualStore {
         }
     }
 
-    /// The keys due for a push/pull, marking them untouched.
+    /// The keys due for a push/pull, marking them untouched; first the evicted keys' units
+    /// waiting to be pushed.
     pub fn due(&self, local_now: Micros) -> Vec<SyncItem> {
         let now = self.redis_now(local_now);
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut *self.leftovers.items.lock());
         self.map.for_each_live(now, |key, c| {
             if c.touched || c.own_curr > 0 || c.own_prev > 0 {
                 c.touched = false;
@@ -472,6 +568,7 @@ impl EventualStore {
                     ws: c.ws,
                     push_curr: c.own_curr,
                     push_prev: c.own_prev,
+                    evicted: false,
                 });
             }
         });
@@ -488,15 +585,15 @@ impl EventualStore {
         sent: Micros,
         received: Micros,
     ) {
-        // Redis read its clock somewhere in the round trip: take the middle.
-        let local_mid = sent + (received.saturating_sub(sent)) / 2;
-        self.offset
-            .store(server_now as i64 - local_mid as i64, Ordering::Relaxed);
-        self.offset_known.store(true, Ordering::Relaxed);
+        self.learn_clock(server_now, sent, received);
+        if item.evicted {
+            // Pushed: the key is not held again for it.
+            return;
+        }
         let p = period(algorithm);
         let hash = self.map.hash(&item.key);
         let mut shard = self.map.lock(hash);
-        shard.update(
+        let evicted = shard.update(
             hash,
             &item.key,
             server_now,
@@ -540,7 +637,20 @@ impl EventualStore {
                 }
                 c.expires(p)
             },
+            rank(algorithm, server_now),
         );
+        drop(shard);
+        self.keep(evicted);
+    }
+
+    /// Learns the offset to Redis's clock from a reply that read it at `server_now`, sent and
+    /// received at those local times.
+    fn learn_clock(&self, server_now: Micros, sent: Micros, received: Micros) {
+        // Redis read its clock somewhere in the round trip: take the middle.
+        let local_mid = sent + (received.saturating_sub(sent)) / 2;
+        self.offset
+            .store(server_now as i64 - local_mid as i64, Ordering::Relaxed);
+        self.offset_known.store(true, Ordering::Relaxed);
     }
 
     /// A sync written to Redis whose answer did not come in time (Redis stalled): Redis runs
@@ -571,8 +681,13 @@ impl EventualStore {
         });
     }
 
-    /// A failed sync: the key is due again next time (its units were not taken off).
+    /// A failed sync: the key is due again next time (its units were not taken off); an
+    /// evicted key's units wait in the queue again.
     pub fn retry(&self, algorithm: &Algorithm, item: &SyncItem, local_now: Micros) {
+        if item.evicted {
+            self.leftovers.push(item.clone(), self.leftover_cap());
+            return;
+        }
         self.due_again(algorithm, item, local_now, |_| {});
     }
 
@@ -588,13 +703,23 @@ impl EventualStore {
         let p = period(algorithm);
         let hash = self.map.hash(&item.key);
         let mut shard = self.map.lock(hash);
-        shard.update(hash, &item.key, now, Counts::default, |c, live| {
-            if live {
-                c.touched = true;
-                f(c);
-            }
-            c.expires(p)
-        });
+        // A key evicted meanwhile is not held again (its default counts expire at once).
+        let evicted = shard.update(
+            hash,
+            &item.key,
+            now,
+            Counts::default,
+            |c, live| {
+                if live {
+                    c.touched = true;
+                    f(c);
+                }
+                c.expires(p)
+            },
+            rank(algorithm, now),
+        );
+        drop(shard);
+        self.keep(evicted);
     }
 
     /// Forgets `key`'s counts (the admin API's reset, after its Redis counters were deleted):
@@ -608,6 +733,60 @@ impl EventualStore {
     /// reached); returns the number kept.
     pub fn sweep(&self, local_now: Micros) -> usize {
         self.map.sweep(self.redis_now(local_now))
+    }
+
+    /// Keys held, those no decision reads any more but not yet swept included.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Caps the store at `keys` keys (its share of `server.max_keys`), evicting at once the
+    /// keys closest to full when it holds more (see the module doc); their unpushed units wait
+    /// for the next sync.
+    pub fn set_budget(&self, keys: usize, algorithm: &Algorithm, local_now: Micros) {
+        let now = self.redis_now(local_now);
+        let cap = Self::leftover_cap_of(keys);
+        self.map.set_budget(keys, now, rank(algorithm, now), |e| {
+            self.leftovers.keep(e, cap)
+        });
+    }
+
+    /// The budget last set (`usize::MAX`: none).
+    pub fn budget(&self) -> usize {
+        self.map.budget()
+    }
+
+    /// Keys evicted to keep within the budget since the last call.
+    pub fn take_evicted(&self) -> u64 {
+        self.map.take_evicted()
+    }
+
+    /// Units admitted here that no sync will push, since the last call: their key was evicted
+    /// while the queue of evicted keys' units was full.
+    pub fn take_lost(&self) -> u64 {
+        self.leftovers.lost.swap(0, Ordering::Relaxed)
+    }
+
+    /// How many evicted keys' units may wait for the next sync: an eighth of the budget, and
+    /// at least [`LEFTOVERS_MIN`].
+    pub fn leftover_cap(&self) -> usize {
+        Self::leftover_cap_of(self.budget())
+    }
+
+    fn leftover_cap_of(budget: usize) -> usize {
+        (budget / 8).max(LEFTOVERS_MIN)
+    }
+
+    /// An evicted key's unpushed units, into the queue for the next sync.
+    fn keep(&self, evicted: Option<Evicted<Counts>>) {
+        if let Some(e) = evicted {
+            self.leftovers.keep(e, self.leftover_cap());
+        }
     }
 }
 
@@ -763,6 +942,80 @@ mod tests {
         let items = ev.due(now);
         ev.apply(&alg, &items[0], (0, 0), server, now, now);
         assert_eq!(ev.peek(&alg, b"k", now).remaining, 4);
+    }
+
+    /// Evicting a key with units not pushed yet loses none: they wait for the next sync (push
+    /// only), and once the queue of them is full, what no sync will push is counted. Every
+    /// unit admitted is accounted for, one way or the other.
+    #[test]
+    fn an_evicted_keys_unpushed_units_are_pushed_or_counted() {
+        let alg = Algorithm::FixedWindow(FixedWindow::new(Quota {
+            count: 10,
+            period: 3_600_000_000,
+            burst: 10,
+        }));
+        let ev = EventualStore::default();
+        let now = 5_000_000;
+        // One key per shard.
+        ev.set_budget(64, &alg, now);
+        let flood = 3_000u64;
+        for i in 0..flood {
+            ev.commit(&alg, format!("k{i}").as_bytes(), now, 1);
+            assert!(ev.len() <= 64);
+        }
+        let items = ev.due(now);
+        let evicted: Vec<_> = items.iter().filter(|i| i.evicted).collect();
+        assert_eq!(evicted.len(), ev.leftover_cap(), "the queue filled up");
+        let pushed: u64 = items.iter().map(|i| i.push_curr + i.push_prev).sum();
+        assert_eq!(pushed + ev.take_lost(), flood);
+        assert_eq!(ev.take_evicted(), flood - ev.len() as u64);
+        // Pushed, an evicted key is not held again.
+        let server = ev.redis_now(now);
+        for item in &items {
+            ev.apply(&alg, item, (1, 0), server, now, now);
+        }
+        assert!(ev.len() <= 64);
+        assert!(
+            ev.due(now).iter().all(|i| !i.evicted),
+            "the queue was taken"
+        );
+    }
+
+    /// A full shard evicts keys with nothing to push (and no pull in flight) before any key
+    /// with units to push, and within each kind the key with the most units left first.
+    #[test]
+    fn synced_keys_rank_before_keys_with_units_to_push() {
+        let alg = ten_per_second();
+        let now = 5_000_000;
+        let r = rank(&alg, now);
+        let synced = |count| Counts {
+            ws: now - now % 1_000_000,
+            known_curr: count,
+            ..Counts::default()
+        };
+        let unpushed = |count| Counts {
+            own_curr: count,
+            ..synced(0)
+        };
+        let learning = Counts {
+            lead: 7,
+            ..synced(0)
+        };
+        // Synced and nearly empty still goes before unpushed and nearly full.
+        assert!(r(&synced(9)) > r(&unpushed(1)));
+        assert!(r(&synced(9)) > r(&learning));
+        assert!(
+            r(&synced(1)) > r(&synced(9)),
+            "more units left: closer to full"
+        );
+        assert!(r(&unpushed(1)) > r(&unpushed(9)));
+        // Counts of a past window are full again whatever they held.
+        let old = Counts {
+            ws: now - now % 1_000_000 - 2_000_000,
+            known_curr: 10,
+            ..Counts::default()
+        };
+        assert_eq!(r(&old), r(&synced(0)));
     }
 
     /// Two threads deciding on one key at once never admit more than the bucket holds.

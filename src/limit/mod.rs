@@ -25,6 +25,7 @@
 //! against a fake store on a manual clock (`tests/`), one table row per combination.
 
 pub mod algorithm;
+pub mod budget;
 pub mod clock;
 pub mod eventual;
 mod global;
@@ -597,6 +598,9 @@ pub struct LimitSet {
     /// Some limit settles its cost from the response (`settle:`): the fast HTTP/1.1 path, which
     /// relays the response's bytes without reading its trailers, leaves the route to hyper.
     pub settles: bool,
+    /// Some limit has overrides: without one, every key is decided under its limit's own rate
+    /// and the verdict needs no rate looked up.
+    has_overrides: bool,
 }
 
 /// One applicable limit of this request: its index, its key's span in the key buffer, and
@@ -619,6 +623,7 @@ impl LimitSet {
                 || l.overrides.as_ref().is_some_and(|o| o.reads_headers)
         });
         Self {
+            has_overrides: limits.iter().any(|l| l.overrides.is_some()),
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
             has_eventual,
@@ -740,13 +745,15 @@ impl LimitSet {
         spans: &[Span],
         now: Micros,
     ) -> (Verdict, Held) {
-        let rate_of = |limit: usize| spans.iter().find(|sp| sp.0 == limit).map_or(0, |sp| sp.3);
-        match &mut verdict {
-            Verdict::Reject { limit, rate, .. } => *rate = rate_of(*limit),
-            Verdict::Admit {
-                info: Some(info), ..
-            } => info.rate = rate_of(info.limit),
-            _ => {}
+        if self.has_overrides {
+            let rate_of = |limit: usize| spans.iter().find(|sp| sp.0 == limit).map_or(0, |sp| sp.3);
+            match &mut verdict {
+                Verdict::Reject { limit, rate, .. } => *rate = rate_of(*limit),
+                Verdict::Admit {
+                    info: Some(info), ..
+                } => info.rate = rate_of(info.limit),
+                _ => {}
+            }
         }
         self.record_rejection(&verdict, keys, spans, now);
         let mut held = held;

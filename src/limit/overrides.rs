@@ -17,10 +17,14 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use ipnet::IpNet;
 use parking_lot::Mutex;
 
+use super::algorithm::calendar::Unit;
 use super::algorithm::{
-    Algorithm, Concurrency, FixedWindow, Gcra, Quota, SlidingLog, SlidingWindow,
+    Algorithm, Calendar, Concurrency, FixedWindow, Gcra, Quota, SlidingLog, SlidingWindow,
 };
-use crate::config::{AlgorithmKind, LimitConfig, OverrideRate, OverridesTable, Rate, TableEntry};
+use crate::config::{
+    AlgorithmKind, CalendarUnit, CalendarWindows, LimitConfig, OverrideRate, OverridesTable, Rate,
+    TableEntry,
+};
 use crate::key::RequestParts;
 
 /// What an override gives a request: one of the limit's rates, or none.
@@ -209,7 +213,11 @@ fn limit_rate(config: &LimitConfig, rate: Rate, burst: u64, plan: Option<&str>) 
     LimitRate {
         algorithm: match config.algorithm {
             AlgorithmKind::Gcra => Algorithm::Gcra(Gcra::new(quota)),
-            AlgorithmKind::FixedWindow => Algorithm::FixedWindow(FixedWindow::new(quota)),
+            AlgorithmKind::FixedWindow => Algorithm::FixedWindow(match &config.calendar {
+                None => FixedWindow::new(quota),
+                // Every rate of a calendar limit counts in its calendar windows.
+                Some(c) => FixedWindow::calendar(quota, calendar_windows(c)),
+            }),
             AlgorithmKind::SlidingWindow => Algorithm::SlidingWindow(SlidingWindow::new(quota)),
             AlgorithmKind::SlidingLog => Algorithm::SlidingLog(SlidingLog::new(quota)),
             AlgorithmKind::Concurrency => {
@@ -229,7 +237,7 @@ fn limit_rate(config: &LimitConfig, rate: Rate, burst: u64, plan: Option<&str>) 
         },
         policy,
         count: rate.count,
-        id: rate_id(config.algorithm, rate, burst),
+        id: rate_id(config.algorithm, config.calendar.as_ref(), rate, burst),
         plan: plan.map(Arc::from),
     }
 }
@@ -237,10 +245,28 @@ fn limit_rate(config: &LimitConfig, rate: Rate, burst: u64, plan: Option<&str>) 
 /// One number per distinct (algorithm, rate, burst) for the life of the process: equal
 /// quotas get equal ids across reloads (so the in-process tier carried over a reload keeps
 /// answering keys whose rate did not change), different ones never share one.
-pub fn rate_id(algorithm: AlgorithmKind, rate: Rate, burst: u64) -> u32 {
-    type Quotas = HashMap<(AlgorithmKind, Rate, u64), u32>;
+pub fn rate_id(
+    algorithm: AlgorithmKind,
+    calendar: Option<&CalendarWindows>,
+    rate: Rate,
+    burst: u64,
+) -> u32 {
+    // Calendar windows by unit and zone: a 10/1d of Berlin days is not one of UTC's.
+    type Windows = Option<(CalendarUnit, String)>;
+    type Quotas = HashMap<(AlgorithmKind, Windows, Rate, u64), u32>;
     static IDS: LazyLock<Mutex<Quotas>> = LazyLock::new(Mutex::default);
+    let windows = calendar.map(|c| (c.unit, c.zone_name().to_owned()));
     let mut ids = IDS.lock();
     let next = u32::try_from(ids.len()).unwrap_or(u32::MAX);
-    *ids.entry((algorithm, rate, burst)).or_insert(next)
+    *ids.entry((algorithm, windows, rate, burst)).or_insert(next)
+}
+
+/// The window function of `align: calendar`.
+fn calendar_windows(c: &CalendarWindows) -> Calendar {
+    let unit = match c.unit {
+        CalendarUnit::Day => Unit::Day,
+        CalendarUnit::Week => Unit::Week,
+        CalendarUnit::Month => Unit::Month,
+    };
+    Calendar::new(unit, c.timezone.clone())
 }

@@ -1,5 +1,6 @@
 //! The proxy listener: accept loop for HTTP/1.1 and h2c (prior knowledge) on one port, with
 //! upgrades, or for TLS with ALPN `h2` / `http/1.1` when `server.tls` is set; and graceful drain.
+//! HTTP/1.1 goes to the fast codec on either transport, HTTP/2 to hyper.
 //!
 //! On shutdown the loop stops accepting, every open connection is told to finish its in-flight
 //! requests and close (HTTP/1.1: no more keep-alive; HTTP/2: GOAWAY), and the drain waits up to
@@ -11,14 +12,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 
+use crate::metrics::Metrics;
 use crate::proxy::Gateway;
-use crate::proxy::codec::general;
+use crate::proxy::codec::{general, h1};
 
 /// A client that has not finished its TLS handshake by then is dropped.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,7 +48,7 @@ pub(crate) async fn serve(
         .map(|t| t.server_config.clone());
     let mut warned_tls_removed = false;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let plain = crate::proxy::codec::h1::Control {
+    let plain = h1::Control {
         builder: builder.clone(),
         stop: stopped,
     };
@@ -71,21 +72,22 @@ pub(crate) async fn serve(
                 let conn =
                     general::serve_one(&builder, TokioIo::new(stream), gateway.clone(), peer);
                 let conn = graceful.watch(conn);
-                let gateway = gateway.clone();
-                tokio::spawn(async move {
+                let g = gateway.clone();
+                tokio::spawn(supervised(gateway.metrics.clone(), peer, async move {
                     if let Err(e) = conn.await {
-                        general::ended_with(&gateway, peer, &*e);
+                        general::ended_with(&g, peer, &*e);
                     }
-                });
+                }));
                 continue;
             }
-            tokio::spawn(crate::proxy::codec::h1::serve(
+            let conn = h1::serve(
                 gateway.clone(),
-                stream,
+                h1::Stream::Plain(stream),
                 peer,
                 plain.clone(),
                 graceful.watcher(),
-            ));
+            );
+            tokio::spawn(supervised(gateway.metrics.clone(), peer, conn));
             continue;
         };
         match &gateway.snapshot.load().config.server.tls {
@@ -99,14 +101,15 @@ pub(crate) async fn serve(
             None => {}
         }
         let acceptor = TlsAcceptor::from(current.clone());
-        tokio::spawn(serve_tls(
+        let conn = serve_tls(
             acceptor,
             stream,
-            builder.clone(),
+            plain.clone(),
             gateway.clone(),
             peer,
             graceful.watcher(),
-        ));
+        );
+        tokio::spawn(supervised(gateway.metrics.clone(), peer, conn));
     }
     drop(listener);
     // Plain connections on the fast path hold a watcher each (so the count and the wait below
@@ -133,12 +136,32 @@ pub(crate) async fn serve(
     }
 }
 
-/// Handshake, then serve. A failed or slow handshake costs only this connection, logged at debug
+/// One client connection's task, whichever codec serves it. A panic its requests' own catches
+/// did not take (the fast codec reading a head, hyper's connection state machine, a TLS
+/// handshake) ends this future, which closes this connection alone; it is counted and logged
+/// once, with the peer (`crate::panics`). Cheaper than a second task per connection awaiting
+/// the first's `JoinHandle`: no spawn, a few instructions per poll (docs/benchmarks.md).
+async fn supervised(metrics: Arc<Metrics>, peer: SocketAddr, conn: impl Future<Output = ()>) {
+    if let Err(p) = crate::panics::catch(conn).await {
+        metrics.panicked("connection");
+        tracing::error!(
+            %peer,
+            panic = %p.message,
+            location = p.location(),
+            backtrace = p.backtrace.as_deref(),
+            "a panic closed a client connection"
+        );
+    }
+}
+
+/// Handshake, then serve: HTTP/1.1 (ALPN `http/1.1`, or none) on the fast codec unless
+/// `server.fast_path` is off, which hands over to hyper as on a plain connection; HTTP/2 (ALPN
+/// `h2`) on hyper. A failed or slow handshake costs only this connection, logged at debug
 /// (scanners and clients that distrust the certificate do it all day).
 async fn serve_tls(
     acceptor: TlsAcceptor,
     stream: TcpStream,
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    plain: h1::Control,
     gateway: Arc<Gateway>,
     peer: SocketAddr,
     watcher: Watcher,
@@ -154,8 +177,36 @@ async fn serve_tls(
             return;
         }
     };
-    let conn = general::serve_one(&builder, TokioIo::new(stream), gateway.clone(), peer);
+    let h2 = stream.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
+    if !h2 && gateway.snapshot.load().config.server.fast_path {
+        let stream = h1::Stream::Tls(Box::new(stream));
+        h1::serve(gateway, stream, peer, plain, watcher).await;
+        return;
+    }
+    let conn = general::serve_one(&plain.builder, TokioIo::new(stream), gateway.clone(), peer);
     if let Err(e) = watcher.watch(conn).await {
         general::ended_with(&gateway, peer, &*e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_in_a_connection_ends_its_task_normally_and_is_counted() {
+        let metrics = Arc::new(Metrics::new());
+        let peer: SocketAddr = "192.0.2.1:40000".parse().unwrap();
+        let conn = async {
+            tokio::task::yield_now().await;
+            panic!("in the connection");
+        };
+        let task = tokio::spawn(supervised(metrics.clone(), peer, conn));
+        task.await.expect("the panic stays inside supervised");
+        let text = metrics.encode(crate::metrics::Format::Text);
+        assert!(
+            text.contains("tollgate_panics_total{task=\"connection\"} 1"),
+            "{text}"
+        );
     }
 }

@@ -18,7 +18,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::Body;
 
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use crate::connector::BoxError;
 
 /// Put on a response by the forwarding code: when its upstream exchange must be over.
 #[derive(Clone, Debug)]
@@ -32,7 +32,10 @@ pub(crate) enum Served {
     Plain(Body),
     Timed {
         body: Body,
-        sleep: Pin<Box<Sleep>>,
+        at: Instant,
+        /// Made the first time the body is not ready: a body that is (a small answer, read
+        /// with its head) never puts a timer in the runtime's wheel, nor allocates one.
+        sleep: Option<Pin<Box<Sleep>>>,
         route: Arc<str>,
     },
 }
@@ -42,12 +45,20 @@ impl Served {
         match deadline {
             Some(d) if !body.is_end_stream() => Served::Timed {
                 body,
-                sleep: Box::pin(tokio::time::sleep_until(d.at)),
+                at: d.at,
+                sleep: None,
                 route: d.route,
             },
             _ => Served::Plain(body),
         }
     }
+}
+
+fn cut(route: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    tracing::warn!(route = %route, "upstream timed out in the response body: cut");
+    Poll::Ready(Some(Err(
+        "the route's timeout ended the response body".into()
+    )))
 }
 
 impl http_body::Body for Served {
@@ -60,16 +71,31 @@ impl http_body::Body for Served {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             Served::Plain(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
-            Served::Timed { body, sleep, route } => {
+            Served::Timed {
+                body,
+                at,
+                sleep,
+                route,
+            } => {
                 // The deadline first: a body that is always ready (a fast upstream, a client
-                // reading slowly) is cut at it too, as the fast path cuts its relay.
-                if sleep.as_mut().poll(cx).is_ready() {
-                    tracing::warn!(route = %route, "upstream timed out in the response body: cut");
-                    return Poll::Ready(Some(Err(
-                        "the route's timeout ended the response body".into()
-                    )));
+                // reading slowly) is cut at it too, as the fast path cuts its relay. Until a
+                // timer exists, that is a look at the clock.
+                let over = match sleep {
+                    Some(sleep) => sleep.as_mut().poll(cx).is_ready(),
+                    None => Instant::now() >= *at,
+                };
+                if over {
+                    return cut(route);
                 }
-                Pin::new(body).poll_frame(cx).map_err(Into::into)
+                let polled = Pin::new(body).poll_frame(cx).map_err(Into::into);
+                if polled.is_pending() && sleep.is_none() {
+                    let mut timer = Box::pin(tokio::time::sleep_until(*at));
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return cut(route);
+                    }
+                    *sleep = Some(timer);
+                }
+                polled
             }
         }
     }

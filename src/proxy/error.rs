@@ -87,6 +87,12 @@ pub(crate) enum ProxyError {
     /// The client went away: nobody to answer.
     #[error("client gone")]
     ClientGone,
+    /// tollgate panicked while handling the request, before any of its answer went out. The
+    /// code that caught it logged and counted it (`crate::panics`); the answer is a 500 and
+    /// the connection closes, since what the panic left half-done (a request body half read,
+    /// an upstream half written) cannot be trusted for another request.
+    #[error("internal error")]
+    Panicked,
 }
 
 impl From<io::Error> for ProxyError {
@@ -211,6 +217,22 @@ pub(crate) fn rescue(
                 b.extend_from_slice(br#","message":"no valid answer from the upstream: connection refused or failed, or not HTTP""#);
             });
             StatusCode::BAD_GATEWAY
+        }
+        ProxyError::Panicked => {
+            out.close();
+            error(
+                out,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                |b| {
+                    b.extend_from_slice(b",\"route\":");
+                    push_json_str(b, route_name);
+                    b.extend_from_slice(
+                        br#","message":"tollgate failed while handling this request""#,
+                    );
+                },
+            );
+            StatusCode::INTERNAL_SERVER_ERROR
         }
         ProxyError::UpstreamTimeout => {
             tracing::warn!(route = %route_name, timeout = ?route.map(|r| r.timeout), "upstream timed out");
@@ -455,12 +477,26 @@ mod tests {
             (ProxyError::from(io::Error::other("refused")), 502),
             (ProxyError::SwitchedUnasked, 502),
             (ProxyError::UpstreamTimeout, 504),
+            (ProxyError::Panicked, 500),
         ] {
             assert_eq!(answer(e).status.map(|s| s.as_u16()), Some(status));
         }
         let mut t = Text::default();
         assert_eq!(rescue(&ProxyError::ClientGone, None, &mut t), None);
         assert!(t.status.is_none() && t.body.is_empty());
+    }
+
+    #[test]
+    fn a_panic_is_a_500_that_closes_the_connection() {
+        let t = answer(ProxyError::Panicked);
+        assert!(
+            t.fields
+                .contains(&("connection".to_owned(), "close".to_owned())),
+            "{:?}",
+            t.fields
+        );
+        let body: serde_json::Value = serde_json::from_slice(&t.body).unwrap();
+        assert_eq!(body["error"], "internal_error");
     }
 
     fn rendered(source: &str, json: bool, route: &str, retry_after: u64) -> String {

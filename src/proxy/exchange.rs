@@ -5,6 +5,7 @@
 //! trailers (see `limit::held`).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Instant;
 
 use crate::limit::Held;
@@ -22,6 +23,10 @@ pub(crate) struct ExchangeEnd {
     /// What the admitted request holds until it ends: its concurrency slots, given back when
     /// the exchange ends (dropped with the guard), and its settlements.
     held: Held,
+    /// The status whose head went out (0: none yet), so a panic caught later knows whether a
+    /// 500 can still be sent. An atomic because the fast codec lends the guard out by `&`
+    /// across awaits; a relaxed store is a plain store.
+    answered: AtomicU16,
     /// Set once ended, so the drop does nothing more.
     ended: bool,
 }
@@ -35,6 +40,7 @@ impl ExchangeEnd {
             route: None,
             started,
             held: Held::default(),
+            answered: AtomicU16::new(0),
             ended: false,
         }
     }
@@ -72,6 +78,7 @@ impl ExchangeEnd {
     /// The answer's head went out with `status`: counted in `tollgate_requests_total`.
     #[inline]
     pub(crate) fn answered(&self, status: u16) {
+        self.answered.store(status, Ordering::Relaxed);
         match self.route {
             Some(i) => self.snapshot.routes[i].metrics.request(status),
             None => self.snapshot.unmatched.request(status),
@@ -93,6 +100,12 @@ impl ExchangeEnd {
         if self.held.settles() {
             self.held.trailers(trailers);
         }
+    }
+
+    /// Whether an answer's head has gone out (or is going: [`Self::answered`] comes first).
+    #[inline]
+    pub(crate) fn is_answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed) != 0
     }
 
     /// Ends the exchange at `now` (a clock read the caller needed anyway).

@@ -26,6 +26,7 @@ use super::exchange::ExchangeEnd;
 use super::forwarding::{self, RequestRule, ResponseRule};
 use super::headers::{self, MapEdit};
 use super::pipeline::Tries;
+use super::raw_upstream::{self, RawError};
 use super::{Body, Gateway};
 use crate::connector::http1::SendError;
 use crate::limit::HeaderInfo;
@@ -83,12 +84,13 @@ pub(crate) async fn forward(
     // Only a body that is coming can fail; an empty one costs nothing to watch.
     let client_body_failed = Arc::new(AtomicU8::new(OK));
     let body = if http_body::Body::is_end_stream(&body) {
-        body.boxed()
+        body.map_err(Into::into).boxed()
     } else {
         ClientBody {
             inner: body,
             failed: Arc::clone(&client_body_failed),
         }
+        .map_err(Into::into)
         .boxed()
     };
     let mut pending = Some(Request::from_parts(parts, body));
@@ -117,6 +119,25 @@ pub(crate) async fn forward(
             done = Some(match tokio::time::timeout_at(deadline, sent).await {
                 Ok(Ok(resp)) => Ok(Exchange::Other(resp)),
                 Ok(Err(e)) => Err(ProxyError::Upstream(Box::new(e))),
+                Err(_) => Err(ProxyError::UpstreamTimeout),
+            });
+            break;
+        }
+        if client_version == Version::HTTP_2
+            && http_body::Body::is_end_stream(req.body())
+            && !route.limits.settles
+        {
+            // A bodyless HTTP/2 stream: the raw pool, from this task (see `raw_upstream`),
+            // unless the route settles costs, which may come in trailers the raw pool drops.
+            let sent = raw_upstream::send(&upstream.pools.raw, &req, started);
+            done = Some(match tokio::time::timeout_at(deadline, sent).await {
+                Ok(Ok(resp)) => Ok(Exchange::Plain(resp)),
+                Ok(Err(RawError::Connect(e))) => {
+                    pending = Some(req);
+                    tries.refused(upstream, Box::new(e));
+                    continue;
+                }
+                Ok(Err(RawError::Sent(e))) => Err(e.into()),
                 Err(_) => Err(ProxyError::UpstreamTimeout),
             });
             break;
@@ -168,7 +189,7 @@ pub(crate) async fn forward(
                 });
             }
             let (parts, body) = resp.into_parts();
-            (parts, body.boxed())
+            (parts, body.map_err(Into::into).boxed())
         }
     };
     let rule = ResponseRule {

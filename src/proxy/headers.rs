@@ -101,6 +101,30 @@ impl MapEdit {
     }
 }
 
+/// Marks the response fields whose values change from one response to the next as never to be
+/// indexed by HPACK (RFC 7541 §7.1.3), for a response going out over HTTP/2: `X-Request-Id`,
+/// the `RateLimit` counters and `Retry-After` (each request), `Date` (each second). Indexed, each new value went into the connection's dynamic table and every
+/// later response walked all the entries of its name before adding one more: with a unique
+/// `X-Request-Id` per response that walk was 50 comparisons and a sixth of an h2 stream's
+/// instructions (docs/benchmarks.md). Values that repeat (`Server`, `Content-Type`,
+/// `RateLimit-Policy`) stay indexable. nginx indexes none of its response fields.
+pub(crate) fn never_index_varying(h: &mut HeaderMap) {
+    use super::request_id::X_REQUEST_ID;
+    use super::response::{RATELIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
+    use http::header::{DATE, RETRY_AFTER};
+    for (name, value) in h.iter_mut() {
+        if name == X_REQUEST_ID
+            || name == DATE
+            || name == RATELIMIT
+            || name == RETRY_AFTER
+            || name == X_RATELIMIT_REMAINING
+            || name == X_RATELIMIT_RESET
+        {
+            value.set_sensitive(true);
+        }
+    }
+}
+
 /// `Content-Length: 5, 5` (or two fields of 5), which hyper reads as 5, is passed on as the one
 /// `5` it means: as a list it breaks HTTP/2 clients (a malformed length) and strict HTTP/1.1
 /// ones. Differing values never get here (hyper refuses them).

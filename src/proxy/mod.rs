@@ -15,10 +15,12 @@ pub(crate) mod forward;
 pub(crate) mod forwarding;
 pub(crate) mod headers;
 pub(crate) mod pipeline;
+pub(crate) mod raw_upstream;
 pub(crate) mod request_id;
 pub(crate) mod response;
 pub(crate) mod tunnels;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -30,6 +32,7 @@ use crate::key::RequestParts;
 use crate::limit::clock::SharedClock;
 use crate::limit::{Context, HeaderInfo, Held, Verdict};
 use crate::metrics::Metrics;
+use crate::panics::Panic;
 use crate::snapshot::{ConfigSnapshot, Route};
 
 pub(crate) use crate::connector::Body;
@@ -61,6 +64,8 @@ impl Gateway {
         parts: &RequestParts<'_>,
         request_id: request_id::LogId<'_>,
     ) -> Result<Admitted<'r>, ProxyError> {
+        #[cfg(feature = "panic-injection")]
+        crate::panics::inject::request(parts.uri.path());
         let limits = &route.limits;
         if limits.is_empty() {
             return Ok(Admitted {
@@ -135,6 +140,30 @@ impl Gateway {
             }),
         }
     }
+}
+
+/// A panic caught in one request's handling, on either codec: counted under `task="request"`
+/// and logged once, with the client, the route, the request id and what became of the
+/// connection (`then`).
+pub(crate) fn request_panicked(
+    metrics: &Metrics,
+    peer: SocketAddr,
+    route: Option<&Route>,
+    request_id: request_id::LogId<'_>,
+    then: &'static str,
+    p: &Panic,
+) {
+    metrics.panicked("request");
+    tracing::error!(
+        %peer,
+        route = route.map_or("-", |r| &*r.name),
+        %request_id,
+        panic = %p.message,
+        location = p.location(),
+        backtrace = p.backtrace.as_deref(),
+        then,
+        "a panic ended a request"
+    );
 }
 
 /// An admitted request: forward it after `delay` (its reserved slot), holding `waiter` until

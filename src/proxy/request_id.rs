@@ -12,14 +12,19 @@ pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-
 /// Longest client-supplied id kept; longer (or non-visible-ASCII) ones are replaced.
 const MAX_LEN: usize = 128;
 
-/// The request's id, inserting a fresh one into `headers` when absent or unusable.
+/// The request's id, inserting a fresh one into `headers` when absent or unusable. Marked
+/// never to be indexed by HPACK wherever it goes (the response to an HTTP/2 client, a request
+/// to an HTTP/2 upstream): a value unique to each request only churns a connection's dynamic
+/// table (see `headers::never_index_varying`).
 pub(crate) fn ensure(headers: &mut HeaderMap) -> HeaderValue {
-    if let Some(v) = headers.get(&X_REQUEST_ID)
+    if let Some(v) = headers.get_mut(&X_REQUEST_ID)
         && sane(v.as_bytes())
     {
+        v.set_sensitive(true);
         return v.clone();
     }
-    let id = generate();
+    let mut id = generate();
+    id.set_sensitive(true);
     headers.insert(&X_REQUEST_ID, id.clone());
     id
 }

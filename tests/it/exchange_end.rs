@@ -1,7 +1,8 @@
 //! The after-response guard (`proxy::exchange::ExchangeEnd`) on both codecs: however an
 //! exchange ends — answered in full, the client gone mid-body, the upstream refused, the route
 //! timeout before or during the body, an answer of tollgate's own, the listener draining — it
-//! runs exactly once, seen as one observation in `tollgate_request_duration_seconds`.
+//! runs exactly once, seen as one observation in `tollgate_request_duration_seconds`. Each way
+//! out is taken on plain TCP and on TLS (where HTTP/1.1 is the fast codec's too).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,10 +12,11 @@ use tollgate::app::Shared;
 use tollgate::metrics::Format;
 
 use crate::support::upstream::Upstream;
-use crate::support::{Gateway, client, closed_addr, metric};
+use crate::support::{Gateway, closed_addr, metric};
 
-/// Both codecs: the fast HTTP/1.1 one (`fast_path: true`, the default) and hyper.
-const CODECS: [bool; 2] = [true, false];
+/// Both codecs — the fast HTTP/1.1 one (`fast_path: true`, the default) and hyper — each on
+/// plain TCP (false) and on TLS (true).
+const CODECS: [(bool, bool); 4] = [(true, false), (false, false), (true, true), (false, true)];
 
 fn yaml(fast: bool, upstream: &str) -> String {
     let mut routes = String::new();
@@ -47,7 +49,7 @@ fn ended(shared: &Shared, route: &str) -> f64 {
 }
 
 /// Waits for `route`'s one observation, then a moment more to see no second one.
-async fn ends_once(shared: &Shared, route: &str, fast: bool) {
+async fn ends_once(shared: &Shared, route: &str, fast: (bool, bool)) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while ended(shared, route) < 1.0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -56,12 +58,12 @@ async fn ends_once(shared: &Shared, route: &str, fast: bool) {
     assert_eq!(
         ended(shared, route),
         1.0,
-        "route {route}, fast codec: {fast}"
+        "route {route}, (fast codec, tls): {fast:?}"
     );
 }
 
-async fn gateway(fast: bool, up: &Upstream) -> (Gateway, Arc<Shared>) {
-    let g = Gateway::start(&yaml(fast, &up.url())).await;
+async fn gateway((fast, tls): (bool, bool), up: &Upstream) -> (Gateway, Arc<Shared>) {
+    let g = Gateway::start_on(&yaml(fast, &up.url()), tls).await;
     let shared = g.shared.clone();
     (g, shared)
 }
@@ -71,9 +73,9 @@ async fn an_exchange_answered_in_full_ends_once() {
     let up = Upstream::start().await;
     for fast in CODECS {
         let (g, shared) = gateway(fast, &up).await;
-        let r = client().get(g.url("/ok")).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        r.bytes().await.unwrap();
+        let r = g.get("/ok").await;
+        assert_eq!(r.status, 200);
+        r.body.unwrap();
         ends_once(&shared, "ok", fast).await;
     }
 }
@@ -83,7 +85,7 @@ async fn an_exchange_whose_client_leaves_mid_body_ends_once() {
     let up = Upstream::start().await;
     for fast in CODECS {
         let (g, shared) = gateway(fast, &up).await;
-        let mut s = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+        let mut s = g.connect().await;
         s.write_all(b"GET /stream?bytes=104857600 HTTP/1.1\r\nhost: t\r\n\r\n")
             .await
             .unwrap();
@@ -99,8 +101,7 @@ async fn an_exchange_with_a_refused_upstream_ends_once() {
     let up = Upstream::start().await;
     for fast in CODECS {
         let (g, shared) = gateway(fast, &up).await;
-        let r = client().get(g.url("/down")).send().await.unwrap();
-        assert_eq!(r.status(), 502);
+        assert_eq!(g.get("/down").await.status, 502);
         ends_once(&shared, "down", fast).await;
     }
 }
@@ -110,20 +111,12 @@ async fn an_exchange_timed_out_before_or_during_the_body_ends_once() {
     let up = Upstream::start().await;
     for fast in CODECS {
         let (g, shared) = gateway(fast, &up).await;
-        let r = client().get(g.url("/slow?ms=2000")).send().await.unwrap();
-        assert_eq!(r.status(), 504);
+        assert_eq!(g.get("/slow?ms=2000").await.status, 504);
         ends_once(&shared, "slow", fast).await;
         // The head in time, the body not: cut at the deadline.
-        let r = client()
-            .get(g.url("/late-body?ms=2000"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(
-            r.bytes().await.is_err(),
-            "a cut body must not end as complete"
-        );
+        let r = g.get("/late-body?ms=2000").await;
+        assert_eq!(r.status, 200);
+        assert!(r.body.is_err(), "a cut body must not end as complete");
         ends_once(&shared, "late-body", fast).await;
     }
 }
@@ -133,19 +126,12 @@ async fn answers_of_tollgates_own_end_once() {
     let up = Upstream::start().await;
     for fast in CODECS {
         let (g, shared) = gateway(fast, &up).await;
-        let r = client().get(g.url("/nowhere")).send().await.unwrap();
-        assert_eq!(r.status(), 404);
+        assert_eq!(g.get("/nowhere").await.status, 404);
         ends_once(&shared, "_unmatched", fast).await;
-        assert_eq!(
-            client().get(g.url("/lim")).send().await.unwrap().status(),
-            200
-        );
-        assert_eq!(
-            client().get(g.url("/lim")).send().await.unwrap().status(),
-            429
-        );
+        assert_eq!(g.get("/lim").await.status, 200);
+        assert_eq!(g.get("/lim").await.status, 429);
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_eq!(ended(&shared, "lim"), 2.0, "fast codec: {fast}");
+        assert_eq!(ended(&shared, "lim"), 2.0, "(fast codec, tls): {fast:?}");
     }
 }
 
@@ -154,12 +140,13 @@ async fn an_exchange_in_flight_at_the_drain_finishes_and_ends_once() {
     let up = Upstream::start().await;
     for fast in CODECS {
         let (g, shared) = gateway(fast, &up).await;
-        let url = g.url("/slow?ms=200");
-        let req = tokio::spawn(async move { client().get(url).send().await });
+        let fetcher = g.fetcher();
+        let req = tokio::spawn(async move { fetcher.get("/slow?ms=200").await });
         tokio::time::sleep(Duration::from_millis(50)).await;
         g.stop().await;
-        let r = req.await.unwrap().unwrap();
-        assert_eq!(r.status(), 200);
+        let r = req.await.unwrap();
+        assert_eq!(r.status, 200);
+        r.body.unwrap();
         ends_once(&shared, "slow", fast).await;
     }
 }

@@ -1,17 +1,19 @@
 //! The fast HTTP/1.1 path, spoken to over raw sockets: pipelining, bodies passed through as
 //! their bytes, answers of tollgate's own that leave the connection usable (and never let a
 //! body be read as a request), upstream bodies that end at close, and requests it leaves to the
-//! general path on the same connection.
+//! general path on the same connection. The fast codec serves TLS connections too (ALPN
+//! `http/1.1`), so the checks that compare the two paths run on both transports, and the ones
+//! about the fast codec's own behaviour on TLS as well where a transport could change it.
 
 use crate::support;
 
 use std::time::Duration;
 
+use crate::support::Gateway;
 use crate::support::upstream::Upstream;
-use crate::support::{Gateway, client};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 fn yaml(upstream: &str, limits: &str) -> String {
     format!(
@@ -19,22 +21,29 @@ fn yaml(upstream: &str, limits: &str) -> String {
     )
 }
 
-/// One gateway on `upstream` with the fast path (the default) and one without it, for checks
-/// that both paths answer alike.
-async fn both_paths(upstream: &str) -> (Gateway, Gateway) {
+/// Gateways on `upstream` with the fast path (the default) and without it, each on plain TCP
+/// and on TLS, for checks that both paths answer alike on either transport; each with its
+/// label ("fast", "general", "fast tls", "general tls").
+async fn both_paths(upstream: &str) -> Vec<(&'static str, Gateway)> {
     both_paths_of(&yaml(upstream, "")).await
 }
 
 /// [`both_paths`] for a whole config (its `server` section with `admin: 127.0.0.1:0`).
-async fn both_paths_of(config: &str) -> (Gateway, Gateway) {
-    let fast = Gateway::start(config).await;
-    let general = Gateway::start(&config.replace(
+async fn both_paths_of(config: &str) -> Vec<(&'static str, Gateway)> {
+    let general = config.replace(
         "  admin: 127.0.0.1:0\n",
         "  admin: 127.0.0.1:0\n  fast_path: false\n",
-    ))
-    .await;
-    (fast, general)
+    );
+    vec![
+        ("fast", Gateway::start(config).await),
+        ("general", Gateway::start(&general).await),
+        ("fast tls", Gateway::start_tls(config).await),
+        ("general tls", Gateway::start_tls(&general).await),
+    ]
 }
+
+/// Plain TCP and TLS, for the fast codec's own checks.
+const TRANSPORTS: [bool; 2] = [false, true];
 
 /// One request on a connection of its own, and its response.
 async fn ask(g: &Gateway, req: &[u8]) -> Resp {
@@ -64,14 +73,15 @@ impl Resp {
     }
 }
 
-/// Reads responses from a raw connection, keeping bytes past one response for the next.
+/// Reads responses from a raw connection (TCP or TLS), keeping bytes past one response for
+/// the next.
 struct Reader {
-    stream: TcpStream,
+    stream: Box<dyn support::Stream>,
     buf: Vec<u8>,
 }
 
 impl Reader {
-    fn new(stream: TcpStream) -> Self {
+    fn new(stream: Box<dyn support::Stream>) -> Self {
         Self {
             stream,
             buf: Vec::new(),
@@ -181,53 +191,65 @@ async fn one_shot_upstream(answer: &'static [u8]) -> String {
 }
 
 async fn connect(g: &Gateway) -> Reader {
-    Reader::new(TcpStream::connect(g.addr).await.unwrap())
+    Reader::new(g.connect().await)
 }
 
 #[tokio::test]
 async fn pipelined_requests_are_answered_in_order_on_one_connection() {
     let up = Upstream::start().await;
-    let g = Gateway::start(&yaml(&up.url(), "")).await;
-    let mut c = connect(&g).await;
-    c.send(
-        b"GET /a HTTP/1.1\r\nhost: t\r\n\r\nHEAD /b HTTP/1.1\r\nhost: t\r\n\r\nGET /c?x=1 HTTP/1.1\r\nhost: t\r\n\r\n",
-    )
-    .await;
-    let a = c.next(false).await;
-    assert_eq!(a.json()["path"], "/a");
-    let b = c.next(true).await;
-    assert_eq!(b.status, 200);
-    let cc = c.next(false).await;
-    assert_eq!(cc.json()["path"], "/c");
-    assert_eq!(cc.json()["query"], "x=1");
-    assert_eq!(up.hits(), 3);
+    for tls in TRANSPORTS {
+        let g = Gateway::start_on(&yaml(&up.url(), ""), tls).await;
+        let mut c = connect(&g).await;
+        c.send(
+            b"GET /a HTTP/1.1\r\nhost: t\r\n\r\nHEAD /b HTTP/1.1\r\nhost: t\r\n\r\nGET /c?x=1 HTTP/1.1\r\nhost: t\r\n\r\n",
+        )
+        .await;
+        let a = c.next(false).await;
+        assert_eq!(a.json()["path"], "/a");
+        let proto = if tls { "https" } else { "http" };
+        assert_eq!(a.json()["headers"]["x-forwarded-proto"], proto);
+        let b = c.next(true).await;
+        assert_eq!(b.status, 200);
+        let cc = c.next(false).await;
+        assert_eq!(cc.json()["path"], "/c");
+        assert_eq!(cc.json()["query"], "x=1");
+    }
+    assert_eq!(up.hits(), 6);
 }
 
 #[tokio::test]
 async fn a_chunked_request_body_reaches_the_upstream_whole_and_the_next_request_follows() {
     let up = Upstream::start().await;
-    let g = Gateway::start(&yaml(&up.url(), "")).await;
-    let mut c = connect(&g).await;
-    // Sizes in both cases, an extension, a trailer; the next request right behind it.
-    c.send(
-        b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\nA\r\n0123456789\r\na\r\nabcdefghij\r\n0\r\nx-trailer: 1\r\n\r\nGET /next HTTP/1.1\r\nhost: t\r\n\r\n",
-    )
-    .await;
-    let first = c.next(false).await;
-    assert_eq!(first.status, 200);
-    assert_eq!(first.json()["body_len"], 25);
-    assert_eq!(first.json()["headers"]["transfer-encoding"], "chunked");
-    let next = c.next(false).await;
-    assert_eq!(next.json()["path"], "/next");
-    assert_eq!(up.hits(), 2);
+    for tls in TRANSPORTS {
+        let g = Gateway::start_on(&yaml(&up.url(), ""), tls).await;
+        let mut c = connect(&g).await;
+        // Sizes in both cases, an extension, a trailer; the next request right behind it.
+        c.send(
+            b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\nA\r\n0123456789\r\na\r\nabcdefghij\r\n0\r\nx-trailer: 1\r\n\r\nGET /next HTTP/1.1\r\nhost: t\r\n\r\n",
+        )
+        .await;
+        let first = c.next(false).await;
+        assert_eq!(first.status, 200);
+        assert_eq!(first.json()["body_len"], 25);
+        assert_eq!(first.json()["headers"]["transfer-encoding"], "chunked");
+        let next = c.next(false).await;
+        assert_eq!(next.json()["path"], "/next");
+    }
+    assert_eq!(up.hits(), 4);
 }
 
 #[tokio::test]
 async fn a_body_tollgate_answers_itself_is_read_off_and_never_taken_for_a_request() {
     let up = Upstream::start().await;
     let limits = "    limits:\n      - name: one\n        algorithm: fixed_window\n        rate: 1/1m\n        key: [literal:all]\n";
-    let g = Gateway::start(&yaml(&up.url(), limits)).await;
-    let mut c = connect(&g).await;
+    for tls in TRANSPORTS {
+        body_read_off_on(&Gateway::start_on(&yaml(&up.url(), limits), tls).await).await;
+    }
+    assert_eq!(up.hits(), 2, "only the first request on each was forwarded");
+}
+
+async fn body_read_off_on(g: &Gateway) {
+    let mut c = connect(g).await;
     // The body of a rejected request spells a request: it must be read off as body.
     let smuggled = "GET /smuggled HTTP/1.1\r\nhost: t\r\n\r\n";
     let post = format!(
@@ -245,20 +267,21 @@ async fn a_body_tollgate_answers_itself_is_read_off_and_never_taken_for_a_reques
     }
     c.send(b"GET /last HTTP/1.1\r\nhost: t\r\n\r\n").await;
     assert_eq!(c.next(false).await.status, 429);
-    assert_eq!(up.hits(), 1, "only the first request was forwarded");
 }
 
 #[tokio::test]
 async fn a_malformed_chunked_body_is_refused_with_400_and_the_connection_closed() {
     let up = Upstream::start().await;
-    let g = Gateway::start(&yaml(&up.url(), "")).await;
-    let mut c = connect(&g).await;
-    c.send(b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n")
-        .await;
-    let r = c.next(false).await;
-    assert_eq!(r.status, 400);
-    assert_eq!(r.header("connection"), Some("close"));
-    assert!(c.closed().await);
+    for tls in TRANSPORTS {
+        let g = Gateway::start_on(&yaml(&up.url(), ""), tls).await;
+        let mut c = connect(&g).await;
+        c.send(b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n")
+            .await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, 400);
+        assert_eq!(r.header("connection"), Some("close"));
+        assert!(c.closed().await, "tls: {tls}");
+    }
 }
 
 /// An upstream that answers every request with a body that ends when it closes.
@@ -270,14 +293,16 @@ async fn close_delimited_upstream() -> String {
 async fn an_upstream_body_that_ends_at_close_is_sent_chunked_and_the_client_connection_stays_open()
 {
     let url = close_delimited_upstream().await;
-    let g = Gateway::start(&yaml(&url, "")).await;
-    let mut c = connect(&g).await;
-    for _ in 0..2 {
-        c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
-        let r = c.next(false).await;
-        assert_eq!(r.status, 200);
-        assert_eq!(r.header("transfer-encoding"), Some("chunked"));
-        assert_eq!(r.body, b"hello world");
+    for tls in TRANSPORTS {
+        let g = Gateway::start_on(&yaml(&url, ""), tls).await;
+        let mut c = connect(&g).await;
+        for _ in 0..2 {
+            c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
+            let r = c.next(false).await;
+            assert_eq!(r.status, 200);
+            assert_eq!(r.header("transfer-encoding"), Some("chunked"));
+            assert_eq!(r.body, b"hello world");
+        }
     }
 }
 
@@ -291,8 +316,7 @@ async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths()
         b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     ])
     .await;
-    let (fast, general) = both_paths(&url).await;
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &both_paths(&url).await {
         for req in [
             &b"GET / HTTP/1.1\r\nhost: t\r\n\r\n"[..],
             b"GET / HTTP/1.0\r\nhost: t\r\n\r\n",
@@ -312,8 +336,7 @@ async fn an_upstream_answer_with_both_lengths_is_passed_on_whole_on_both_paths()
 #[tokio::test]
 async fn underscore_spellings_of_forwarding_and_framing_fields_do_not_reach_the_upstream() {
     let up = Upstream::start().await;
-    let (fast, general) = both_paths(&up.url()).await;
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &both_paths(&up.url()).await {
         let r = ask(g, b"GET /u HTTP/1.1\r\nHost: t\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer_Encoding: chunked\r\nx_real_ip: 6.6.6.6\r\napi_key: k1\r\n\r\n").await;
         assert_eq!(r.status, 200, "{path}");
         let h = &r.json()["headers"];
@@ -322,6 +345,8 @@ async fn underscore_spellings_of_forwarding_and_framing_fields_do_not_reach_the_
         }
         assert_eq!(h["api_key"], "k1", "{path}");
         assert_eq!(h["x-forwarded-for"], "127.0.0.1", "{path}");
+        let proto = if g.tls.is_some() { "https" } else { "http" };
+        assert_eq!(h["x-forwarded-proto"], proto, "{path}");
     }
 }
 
@@ -340,12 +365,9 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
     let big = support::upstream::raw(parts).await;
     let no_content =
         support::upstream::raw(&[b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n"]).await;
-    let (big_fast, big_general) = both_paths(&big).await;
-    let (empty_fast, empty_general) = both_paths(&no_content).await;
-    for (path, g, empty) in [
-        ("fast", &big_fast, &empty_fast),
-        ("general", &big_general, &empty_general),
-    ] {
+    let bigs = both_paths(&big).await;
+    let empties = both_paths(&no_content).await;
+    for ((path, g), (_, empty)) in bigs.iter().zip(&empties) {
         let r = ask(g, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
         assert_eq!(r.status, 200, "{path}");
         assert_eq!(r.body, b"ok", "{path}");
@@ -366,8 +388,8 @@ async fn big_upstream_heads_and_a_204s_length_are_handled_alike_on_both_paths() 
 #[tokio::test]
 async fn a_transfer_coding_besides_chunked_is_answered_501_on_both_paths() {
     let up = Upstream::start().await;
-    let (fast, general) = both_paths(&up.url()).await;
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    let gateways = both_paths(&up.url()).await;
+    for (path, g) in &gateways {
         let mut c = connect(g).await;
         c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
             .await;
@@ -377,7 +399,7 @@ async fn a_transfer_coding_besides_chunked_is_answered_501_on_both_paths() {
         // Plain chunked still passes.
         assert_eq!(ask(g, b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n").await.status, 200, "{path}");
     }
-    assert_eq!(up.hits(), 2);
+    assert_eq!(up.hits(), gateways.len());
 }
 
 /// An upstream that switches protocols on a request that asked for no upgrade: nothing can be
@@ -389,8 +411,7 @@ async fn an_unasked_protocol_switch_is_a_502_on_both_paths() {
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: foo\r\nConnection: upgrade\r\n\r\n",
     ])
     .await;
-    let (fast, general) = both_paths(&url).await;
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &both_paths(&url).await {
         assert_eq!(
             ask(g, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await.status,
             502,
@@ -413,8 +434,7 @@ async fn upstream_lengths_are_read_and_passed_on_alike_on_both_paths() {
     for (answer, status, body) in cases {
         let parts: &'static [&'static [u8]] = Box::leak(Box::new([answer]));
         let url = support::upstream::raw(parts).await;
-        let (fast, general) = both_paths(&url).await;
-        for (path, g) in [("fast", &fast), ("general", &general)] {
+        for (path, g) in &both_paths(&url).await {
             let what = format!("{path}: {:?}", String::from_utf8_lossy(&answer[..40]));
             let r = ask(g, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
             assert_eq!(r.status, status, "{what}");
@@ -441,8 +461,7 @@ async fn upstream_lengths_are_read_and_passed_on_alike_on_both_paths() {
 #[tokio::test]
 async fn connect_is_refused_with_405_on_both_paths() {
     let up = Upstream::start().await;
-    let (fast, general) = both_paths(&up.url()).await;
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &both_paths(&up.url()).await {
         for req in [
             &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"[..],
             b"CONNECT /x HTTP/1.1\r\nHost: t\r\n\r\n",
@@ -458,9 +477,15 @@ async fn connect_is_refused_with_405_on_both_paths() {
 
 #[tokio::test]
 async fn requests_the_fast_path_leaves_are_served_by_the_general_path_on_the_same_connection() {
-    let up = Upstream::start().await;
-    let g = Gateway::start(&yaml(&up.url(), "")).await;
-    let mut c = connect(&g).await;
+    for tls in TRANSPORTS {
+        let up = Upstream::start().await;
+        let g = Gateway::start_on(&yaml(&up.url(), ""), tls).await;
+        leave_to_general_on(&g, &up).await;
+    }
+}
+
+async fn leave_to_general_on(g: &Gateway, up: &Upstream) {
+    let mut c = connect(g).await;
     // Fast path first, then an absolute-form target (the general path's), then more requests,
     // which the general path now serves on this connection.
     c.send(b"GET /one HTTP/1.1\r\nhost: t\r\n\r\n").await;
@@ -471,46 +496,53 @@ async fn requests_the_fast_path_leaves_are_served_by_the_general_path_on_the_sam
     c.send(b"GET /three HTTP/1.1\r\nhost: t\r\n\r\n").await;
     assert_eq!(c.next(false).await.json()["path"], "/three");
     // HTTP/1.0 on a connection of its own: answered, then closed.
-    let mut old = connect(&g).await;
+    let mut old = connect(g).await;
     old.send(b"GET /old HTTP/1.0\r\nhost: t\r\n\r\n").await;
     let r = old.next(false).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["path"], "/old");
     assert!(old.closed().await);
     // A client that speaks first and then goes quiet past nothing: a partial head and close.
-    let mut partial = connect(&g).await;
+    let mut partial = connect(g).await;
     partial.send(b"GET / HTT").await;
     partial.stream.shutdown().await.unwrap();
     assert!(partial.closed().await);
     assert_eq!(up.hits(), 4);
-    // reqwest (keep-alive, HTTP/1.1) still works alongside.
-    let r = client().get(g.url("/after")).send().await.unwrap();
-    assert_eq!(r.status(), 200);
+    // A pooling HTTP/1.1 client still works alongside.
+    assert_eq!(g.get("/after").await.status, 200);
 }
 
 #[tokio::test]
 async fn an_upstream_that_answers_before_reading_the_body_gets_no_more_of_it_and_the_client_connection_closes()
  {
-    // Answers 413 to any request head at once, without reading the body.
-    let url = one_shot_upstream(
-        b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\nconnection: close\r\n\r\nbig",
-    )
-    .await;
-    let g = Gateway::start(&yaml(&url, "")).await;
-    let mut c = connect(&g).await;
-    c.send(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\nstart")
+    for tls in TRANSPORTS {
+        // Answers 413 to any request head at once, without reading the body.
+        let url = one_shot_upstream(
+            b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\nconnection: close\r\n\r\nbig",
+        )
         .await;
-    let r = c.next(false).await;
-    assert_eq!(r.status, 413);
-    assert_eq!(r.body, b"big");
-    assert_eq!(r.header("connection"), Some("close"));
+        let g = Gateway::start_on(&yaml(&url, ""), tls).await;
+        let mut c = connect(&g).await;
+        c.send(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\nstart")
+            .await;
+        let r = c.next(false).await;
+        assert_eq!(r.status, 413, "tls: {tls}");
+        assert_eq!(r.body, b"big");
+        assert_eq!(r.header("connection"), Some("close"));
+    }
 }
 
 #[tokio::test]
 async fn a_framing_field_named_by_connection_still_frames_the_body() {
-    let up = Upstream::start().await;
-    let g = Gateway::start(&yaml(&up.url(), "")).await;
-    let mut c = connect(&g).await;
+    for tls in TRANSPORTS {
+        let up = Upstream::start().await;
+        let g = Gateway::start_on(&yaml(&up.url(), ""), tls).await;
+        framing_field_on(&g, &up).await;
+    }
+}
+
+async fn framing_field_on(g: &Gateway, up: &Upstream) {
+    let mut c = connect(g).await;
     // `Connection: content-length` must not strip the length upstream: the body would be
     // read there as a request of its own, past every limit.
     let inner = "GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
@@ -533,9 +565,27 @@ async fn a_framing_field_named_by_connection_still_frames_the_body() {
 
 #[tokio::test]
 async fn an_upstream_that_streams_its_answer_while_reading_the_body_gets_all_of_it() {
-    // Sends its head at once, then each piece of the request body back as a chunk as it reads
-    // it: more than the sockets buffer, so a proxy that stopped sending the body once the head
-    // came (or stopped reading the answer while sending) would wait forever.
+    // On TLS the client's stream is one rustls session for both directions: the halves share
+    // it, and what it buffers of the answer must still go out.
+    for tls in TRANSPORTS {
+        let g = Gateway::start_on(&yaml(&echoing_upstream().await, ""), tls).await;
+        let size = 16 << 20;
+        let r = tokio::time::timeout(
+            Duration::from_secs(30),
+            g.fetcher()
+                .send(http::Method::POST, "/dup", vec![b'x'; size].into()),
+        )
+        .await
+        .expect("no deadlock");
+        assert_eq!(r.status, 200, "tls: {tls}");
+        assert_eq!(r.body.unwrap().len(), size, "tls: {tls}");
+    }
+}
+
+/// An upstream that sends its head at once, then each piece of the request body back as a
+/// chunk as it reads it: more than the sockets buffer, so a proxy that stopped sending the body
+/// once the head came (or stopped reading the answer while sending) would wait forever.
+async fn echoing_upstream() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -580,21 +630,7 @@ async fn an_upstream_that_streams_its_answer_while_reading_the_body_gets_all_of_
         }
         s.write_all(b"0\r\n\r\n").await.unwrap();
     });
-    let g = Gateway::start(&yaml(&url, "")).await;
-    let size = 16 << 20;
-    let r = tokio::time::timeout(
-        Duration::from_secs(20),
-        client().post(g.url("/dup")).body(vec![b'x'; size]).send(),
-    )
-    .await
-    .expect("no deadlock")
-    .unwrap();
-    assert_eq!(r.status(), 200);
-    let body = tokio::time::timeout(Duration::from_secs(20), r.bytes())
-        .await
-        .expect("no deadlock")
-        .unwrap();
-    assert_eq!(body.len(), size);
+    url
 }
 
 /// The fields of a response that do not vary between two answers to the same request.
@@ -661,7 +697,7 @@ async fn an_upstream_body_that_is_malformed_from_its_first_byte_is_a_502() {
 }
 
 #[tokio::test]
-async fn server_fast_path_false_serves_plain_connections_with_the_general_path() {
+async fn server_fast_path_chooses_the_codec_of_plain_and_tls_http11_connections() {
     // An upstream whose field names are mixed case: the fast path passes names through as
     // they are; hyper writes them lower-case. That tells the two paths apart from outside.
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -689,11 +725,16 @@ async fn server_fast_path_false_serves_plain_connections_with_the_general_path()
             });
         }
     });
-    for (fast, name) in [(true, "X-Mixed-Case"), (false, "x-mixed-case")] {
+    for (fast, name, tls) in [
+        (true, "X-Mixed-Case", false),
+        (false, "x-mixed-case", false),
+        (true, "X-Mixed-Case", true),
+        (false, "x-mixed-case", true),
+    ] {
         let yaml = format!(
             "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\n  fast_path: {fast}\nroutes:\n  - name: all\n    upstream: {url}\n"
         );
-        let g = Gateway::start(&yaml).await;
+        let g = Gateway::start_on(&yaml, tls).await;
         let mut c = connect(&g).await;
         c.send(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n").await;
         let _ = c.next(false).await;
@@ -707,7 +748,7 @@ async fn server_fast_path_false_serves_plain_connections_with_the_general_path()
         let text = String::from_utf8_lossy(&raw);
         assert!(
             text.contains(&format!("{name}: 1")),
-            "fast_path {fast}: {text}"
+            "fast_path {fast}, tls {tls}: {text}"
         );
     }
 }
@@ -726,8 +767,7 @@ async fn mangled_requests_get_a_4xx_or_a_close_never_a_panic_or_a_5xx() {
     }));
     let up = Upstream::start().await;
     let limits = "    limits:\n      - name: l\n        key: [ip, header:x-user]\n        rate: 1000000/1s\n";
-    let (fast, general) = both_paths_of(&yaml(&up.url(), limits)).await;
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &both_paths_of(&yaml(&up.url(), limits)).await {
         mangle_against(path, g).await;
     }
     assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0);
@@ -764,7 +804,7 @@ async fn mangle_against(path: &str, g: &Gateway) {
                 _ => req[at] = b"\r\n :\t"[next(5)],
             }
         }
-        let mut s = TcpStream::connect(g.addr).await.unwrap();
+        let mut s = g.connect().await;
         let _ = s.write_all(&req).await;
         let _ = s.shutdown().await;
         let mut got = Vec::new();
@@ -791,8 +831,7 @@ async fn mangle_against(path: &str, g: &Gateway) {
     println!(
         "mangled requests, {path} path, status → count (0 = closed without an answer): {statuses:?}"
     );
-    let r = client().get(g.url("/after")).send().await.unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(g.get("/after").await.status, 200);
 }
 
 /// A client that shuts its write side right after its request still gets the answer, on both
@@ -801,7 +840,7 @@ async fn mangle_against(path: &str, g: &Gateway) {
 #[tokio::test]
 async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
     let up = Upstream::start().await;
-    let (fast, general) = both_paths(&up.url()).await;
+    let gateways = both_paths(&up.url()).await;
     // A whole request is answered; one whose body the shutdown cut short gets a 400 that says
     // so, and one with a malformed chunk a 400 that says that, in the same words on both.
     let cases: [(&[u8], &str, &str); 3] = [
@@ -817,17 +856,17 @@ async fn a_half_closed_client_still_gets_its_answer_on_both_paths() {
             r#""message":"malformed request body""#,
         ),
     ];
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &gateways {
         for (req, want, says) in cases {
-            let mut s = TcpStream::connect(g.addr).await.unwrap();
+            let mut s = g.connect().await;
             s.write_all(req).await.unwrap();
             s.shutdown().await.unwrap();
             let mut got = Vec::new();
-            tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+            let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
                 .await
-                .unwrap()
                 .unwrap();
             let text = String::from_utf8_lossy(&got);
+            assert!(read.is_ok(), "{path}: {read:?} after {text:?}");
             assert!(text.starts_with(want), "{path}: {text:?}");
             assert!(text.contains(says), "{path}: {text:?}");
         }
@@ -847,7 +886,7 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
         u = up.url()
     );
     let base = format!("server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n{routes}");
-    let (fast, general) = both_paths_of(&base).await;
+    let gateways = both_paths_of(&base).await;
     let big = format!(
         "GET /x HTTP/1.1\r\nHost: h\r\nX-Big: {}\r\n\r\n",
         "a".repeat(70_000)
@@ -871,7 +910,7 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
             400,
         ),
     ];
-    for (path, g) in [("fast", &fast), ("general", &general)] {
+    for (path, g) in &gateways {
         for (req, want) in cases {
             let r = ask(g, req).await;
             let first = String::from_utf8_lossy(&req[..req.len().min(60)]);
@@ -913,8 +952,8 @@ async fn requests_are_read_as_rfc_9112_says_on_both_paths() {
 async fn differing_repeated_key_values_are_refused_and_empty_ones_are_missing_on_both_paths() {
     let up = Upstream::start().await;
     let limits = "    limits:\n      - name: l\n        key: [header:x-api-key, query:k]\n        on_missing: reject\n        rate: 1000/1s\n";
-    let (fast, general) = both_paths_of(&yaml(&up.url(), limits)).await;
-    for g in [&fast, &general] {
+    let gateways = both_paths_of(&yaml(&up.url(), limits)).await;
+    for (_, g) in &gateways {
         let get = |target: &str, keys: &[&str]| {
             let mut req = format!("GET {target} HTTP/1.1\r\nHost: h\r\n");
             for k in keys {
@@ -940,8 +979,8 @@ async fn differing_repeated_key_values_are_refused_and_empty_ones_are_missing_on
     }
     assert_eq!(
         up.hits(),
-        2,
-        "only the two unambiguous requests reached the upstream"
+        gateways.len(),
+        "only the unambiguous request of each reached the upstream"
     );
 }
 
@@ -952,23 +991,20 @@ async fn differing_repeated_key_values_are_refused_and_empty_ones_are_missing_on
 async fn a_body_stalled_past_the_route_timeout_is_cut_on_both_paths() {
     let up = Upstream::start().await;
     let config = yaml(&up.url(), "    timeout: 300ms\n");
-    let (fast, general) = both_paths_of(&config).await;
-    let c = support::client();
-    for g in [&fast, &general] {
-        let r = c.get(g.url("/late-body?ms=50")).send().await.unwrap();
-        assert_eq!(r.text().await.unwrap(), "late\n");
+    for (path, g) in &both_paths_of(&config).await {
+        assert_eq!(g.get("/late-body?ms=50").await.text(), "late\n", "{path}");
         let t = std::time::Instant::now();
-        let r = c.get(g.url("/late-body?ms=3000")).send().await.unwrap();
-        assert_eq!(r.status(), 200);
+        let r = g.get("/late-body?ms=3000").await;
+        assert_eq!(r.status, 200, "{path}");
         assert!(
-            r.text().await.is_err(),
-            "a cut body must not read as complete"
+            r.body.is_err(),
+            "{path}: a cut body must not read as complete"
         );
         let took = t.elapsed();
         assert!(
             took >= std::time::Duration::from_millis(250)
                 && took < std::time::Duration::from_secs(2),
-            "{took:?}"
+            "{path}: {took:?}"
         );
     }
 }
@@ -982,22 +1018,21 @@ async fn bad_paths_are_refused_before_routing_on_both_paths() {
         "server:\n  listen: 127.0.0.1:0\n  admin: 127.0.0.1:0\nroutes:\n  - name: api\n    match: {{ path_prefix: /api }}\n    upstream: {}\n",
         up.url()
     );
-    let (fast, general) = both_paths_of(&config).await;
-    for g in [&fast, &general] {
+    for (path, g) in &both_paths_of(&config).await {
         for target in ["/x/../a", "/x/%zz", "/api/../x"] {
             let r = ask(
                 g,
                 format!("GET {target} HTTP/1.1\r\nHost: h\r\n\r\n").as_bytes(),
             )
             .await;
-            assert_eq!(r.status, 400, "{target}");
+            assert_eq!(r.status, 400, "{path}: {target}");
         }
         let m = g.metrics().await;
         let n = support::metric(
             &m,
             "tollgate_requests_total{route=\"_unmatched\",status=\"400\"}",
         );
-        assert_eq!(n, Some(3.0), "{m}");
+        assert_eq!(n, Some(3.0), "{path}: {m}");
     }
     assert_eq!(up.hits(), 0);
 }
@@ -1008,15 +1043,17 @@ async fn bad_paths_are_refused_before_routing_on_both_paths() {
 #[tokio::test]
 async fn unparsable_requests_are_counted_on_both_paths() {
     let up = Upstream::start().await;
-    let (fast, general) = both_paths(&up.url()).await;
-    for g in [&fast, &general] {
+    for (path, g) in &both_paths(&up.url()).await {
         let r = ask(g, b"GET / HTTP/1.1\r\nHost: h\r\nBad Header\r\n\r\n").await;
-        assert_eq!(r.status, 400);
+        assert_eq!(r.status, 400, "{path}");
         let series = "tollgate_requests_total{route=\"_unmatched\",status=\"400\"}";
         let t = std::time::Instant::now();
         // Counted when hyper's connection task ends, just after the answer.
         while support::metric(&g.metrics().await, series) != Some(1.0) {
-            assert!(t.elapsed() < Duration::from_secs(5), "never counted");
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "{path}: never counted"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

@@ -613,9 +613,14 @@ async fn a_concurrent_flood_on_one_key_asks_redis_about_once_per_emission_interv
     println!(
         "herd: {ok} admitted, {limited} rejected, {redis_calls} redis calls ({per_rejection:.4} per rejection)"
     );
+    // About once per emission interval (30 in 1.5 s; the burst's 5 at the start), not once per
+    // rejection. Bounded per interval, not per rejection: calls per rejection depended on how
+    // many requests this test managed to send, which a loaded 2-core machine cut to a third
+    // (0.06 per rejection at ~1,000 rejections; 0.03 at ~2,500, for the same ~67 calls).
+    let intervals = 1.5 / 0.05;
     assert!(
-        per_rejection < 0.05,
-        "{redis_calls} Redis calls for {limited} rejections"
+        redis_calls <= 3.0 * intervals + 5.0,
+        "{redis_calls} Redis calls in {intervals} emission intervals ({limited} rejections)"
     );
 }
 

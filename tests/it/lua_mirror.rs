@@ -10,14 +10,17 @@ use std::time::Duration;
 
 use crate::support::redis::RedisServer;
 use fred::prelude::{Builder, Client, ClientLike, Config, KeysInterface};
+use jiff::tz::TimeZone;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use tokio::runtime::Runtime;
+use tollgate::limit::algorithm::calendar::Unit;
 use tollgate::limit::algorithm::{
-    Algorithm, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
+    Algorithm, Calendar, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
 };
 use tollgate::limit::redis::{
-    GlobalLimit, LimitVerdict, RedisSettings, RedisStore, RedisTarget, ScriptPath, redis_keys,
+    GlobalLimit, LimitVerdict, RedisError, RedisSettings, RedisStore, RedisTarget, ScriptPath,
+    redis_keys,
 };
 
 /// A realistic epoch (µs since 1970), so Lua handles today's timestamps exactly.
@@ -80,12 +83,18 @@ fn fresh_key(tag: &str) -> String {
     )
 }
 
+/// Kinds 0 to 3: the four algorithms; 4: fixed_window on the calendar days of Berlin (whose
+/// windows a test's microseconds rarely cross, but whose arguments are laid out differently).
 fn algorithm(kind: u8, q: Quota) -> Algorithm {
     match kind {
         0 => Algorithm::Gcra(Gcra::new(q)),
         1 => Algorithm::FixedWindow(FixedWindow::new(q)),
         2 => Algorithm::SlidingWindow(SlidingWindow::new(q)),
-        _ => Algorithm::SlidingLog(SlidingLog::new(q)),
+        3 => Algorithm::SlidingLog(SlidingLog::new(q)),
+        _ => Algorithm::FixedWindow(FixedWindow::calendar(
+            q,
+            Calendar::new(Unit::Day, TimeZone::get("Europe/Berlin").expect("zone")),
+        )),
     }
 }
 
@@ -247,7 +256,7 @@ fn limit_set() -> impl Strategy<Value = Vec<(u8, Quota, Micros)>> {
     });
     (
         prop::collection::vec(
-            (0u8..4, small, prop_oneof![Just(0u64), 0..=3_000u64]),
+            (0u8..5, small, prop_oneof![Just(0u64), 0..=3_000u64]),
             2..=3,
         ),
         prop::bool::weighted(0.4),
@@ -425,7 +434,7 @@ proptest! {
     /// refund.lua leaves the state as if the refunded request had never been admitted.
     #[test]
     fn refund_gives_back_exactly_what_a_commit_took(
-        (kind, q, start, steps) in (0u8..4, quota()).prop_flat_map(|(kind, q)| {
+        (kind, q, start, steps) in (0u8..5, quota()).prop_flat_map(|(kind, q)| {
             let undo = if kind == 0 {
                 // gcra: a refund after the bucket drained returns up to `cost` too much
                 // (documented), so only same-instant refunds are exact.
@@ -545,6 +554,173 @@ fn gcra_refund_after_another_commit_is_never_laxer() {
             if slack == 0 {
                 assert_eq!(got, ideal, "{path:?}");
             }
+        });
+        assert_eq!(store.script_path(), path);
+    }
+}
+
+const HOUR: Micros = 3_600_000_000;
+
+/// An arbitrary zone with daylight saving as a POSIX TZ rule (see the same generator in
+/// `limit/algorithm/calendar.rs`): any offset, a shift of 30 minutes to 2 hours, changes at
+/// 00:00 to 03:00 on any month, week and weekday.
+fn posix_zone() -> impl Strategy<Value = String> {
+    let at = prop::sample::select(vec!["0", "0:30", "1", "2", "3"]);
+    let change = (1u8..=12, 1u8..=5, 0u8..=6, at);
+    (
+        -12i32..=12,
+        prop::sample::select(vec![0, 30, 45]),
+        prop::sample::select(vec![30, 60, 120]),
+        change.clone(),
+        change,
+    )
+        .prop_map(
+            |(hours, minutes, shift, (m1, w1, d1, t1), (m2, w2, d2, t2))| {
+                let std = hours * 60 + if hours < 0 { -minutes } else { minutes };
+                let posix = |east: i32| {
+                    let west = -east;
+                    let sign = if west < 0 { "-" } else { "" };
+                    format!("{sign}{}:{:02}", west.abs() / 60, west.abs() % 60)
+                };
+                format!(
+                    "AAA{}BBB{},M{m1}.{w1}.{d1}/{t1},M{m2}.{w2}.{d2}/{t2}",
+                    posix(std),
+                    posix(std + shift)
+                )
+            },
+        )
+}
+
+/// A real zone or an arbitrary rule, and a unit.
+fn calendar() -> impl Strategy<Value = (String, Unit)> {
+    let zone = prop_oneof![
+        prop::sample::select(vec![
+            "Europe/Berlin",
+            "America/New_York",
+            "Australia/Lord_Howe"
+        ])
+        .prop_map(str::to_owned),
+        posix_zone(),
+    ];
+    (
+        zone,
+        prop::sample::select(vec![Unit::Day, Unit::Week, Unit::Month]),
+    )
+}
+
+fn calendar_algorithm(zone: &str, unit: Unit, count: u64) -> Algorithm {
+    let tz = TimeZone::get(zone)
+        .or_else(|_| TimeZone::posix(zone))
+        .expect("zone");
+    Algorithm::FixedWindow(FixedWindow::calendar(
+        Quota {
+            count,
+            period: unit.nominal(),
+            burst: count,
+        },
+        Calendar::new(unit, tz),
+    ))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Calendar windows on Redis's clock: each step the instance sends the windows around its
+    /// own clock, up to 20 hours off Redis's (any day is longer than 22 hours, so one of the
+    /// three holds Redis's instant), and the script's decision, counted in the window of
+    /// Redis's time, equals the Rust core's at Redis's time. Timelines cross windows, in real
+    /// zones and arbitrary daylight-saving rules.
+    #[test]
+    fn calendar_fixed_window_matches_rust_whatever_window_the_instance_sees(
+        ((zone, unit), count, start, steps) in (calendar(), 1u64..=6).prop_flat_map(|((zone, unit), count)| {
+            let span = unit.nominal();
+            let gap = prop_oneof![4 => 0..=HOUR, 3 => 0..=span / 4, 1 => 0..=span];
+            let cost = prop_oneof![3 => Just(1u64), 1 => 1..=count];
+            let skew = prop_oneof![2 => Just(0i64), 3 => -20 * HOUR as i64..=20 * HOUR as i64];
+            (
+                Just((zone, unit)),
+                Just(count),
+                // 2000 to 2040
+                946_684_800_000_000u64..=2_208_988_800_000_000,
+                prop::collection::vec((gap, cost, skew), 1..=60),
+            )
+        })
+    ) {
+        let sh = shared();
+        let alg = calendar_algorithm(&zone, unit, count);
+        for (path, store) in sh.stores() {
+            let key = fresh_key("calendar");
+            sh.rt.block_on(async {
+                let mut state = alg.new_state();
+                let mut now = start;
+                for (i, &(gap, cost, skew)) in steps.iter().enumerate() {
+                    now += gap;
+                    let limit = GlobalLimit { algorithm: &alg, key: &key, cost, max_delay: 0 };
+                    let expected = rust_verdict(&alg, &state, now, cost, 0);
+                    if expected.is_admitted() {
+                        alg.commit(&mut state, now, cost);
+                    }
+                    let seen = now.saturating_add_signed(skew);
+                    let got = store
+                        .decide_seen_from(&[limit], &[], &[], Some(now), seen)
+                        .await
+                        .expect("decide");
+                    prop_assert_eq!(
+                        &got.per_limit,
+                        &vec![expected],
+                        "{:?} {} {:?} step {} at {} seen at {}",
+                        path, &zone, unit, i, now, seen
+                    );
+                    let (peek, _) = store.peek_at(&limit, Some(now)).await.expect("peek");
+                    prop_assert_eq!(peek, alg.peek(&state, now), "{:?} peek after step {}", path, i);
+                }
+                let _: i64 = sh.raw.del(redis_keys(&key, &alg)).await.expect("DEL");
+                Ok(())
+            })?;
+            prop_assert_eq!(store.script_path(), path);
+        }
+    }
+}
+
+/// An instance whose clock is more than a window from Redis's sends windows that do not hold
+/// Redis's instant: the script refuses to count in any of them (a script error, which
+/// `on_error` decides), and writes nothing.
+#[test]
+fn calendar_windows_far_from_redis_time_are_a_script_error() {
+    let sh = shared();
+    let alg = calendar_algorithm("Europe/Berlin", Unit::Day, 5);
+    for (path, store) in sh.stores() {
+        let key = fresh_key("calendar-skew");
+        let limit = GlobalLimit {
+            algorithm: &alg,
+            key: &key,
+            cost: 1,
+            max_delay: 0,
+        };
+        sh.rt.block_on(async {
+            let now = EPOCH;
+            for seen in [now + 3 * 24 * HOUR, now - 3 * 24 * HOUR] {
+                match store
+                    .decide_seen_from(&[limit], &[], &[], Some(now), seen)
+                    .await
+                {
+                    Err(RedisError::Script(msg)) => assert!(
+                        msg.contains("is outside the calendar windows sent")
+                            && msg.contains("differ by more than a window"),
+                        "{path:?}: {msg}"
+                    ),
+                    other => panic!("{path:?}: {other:?}"),
+                }
+            }
+            let keys = redis_keys(&key, &alg);
+            assert_eq!(dump_all(&sh.raw, &keys).await, vec![None], "{path:?}");
+            // 20 hours off the other way is still one of the three windows.
+            let d = store
+                .decide_seen_from(&[limit], &[], &[], Some(now), now - 20 * HOUR)
+                .await
+                .expect("decide");
+            assert!(d.admitted, "{path:?}");
+            let _: i64 = sh.raw.del(keys).await.expect("DEL");
         });
         assert_eq!(store.script_path(), path);
     }

@@ -5,6 +5,7 @@
 mod support;
 
 mod admin;
+mod calendar;
 mod cli;
 mod concurrency;
 mod consumer_keys;
@@ -15,12 +16,17 @@ mod fast_path;
 mod fuzz_corpus;
 mod gateway;
 mod global;
+mod http2;
+mod key_flood;
 mod lua_mirror;
 mod packaging;
+mod panics;
 mod plans;
 mod redis_cluster;
 mod redis_store;
+mod redis_tls;
 mod reload;
+mod sentinel;
 mod settle;
 mod signals;
 mod tls;

@@ -467,6 +467,9 @@ const COUNTERS: &[&str] = &[
     "tollgate_fallback_decisions",
     "tollgate_config_reloads",
     "tollgate_delayed_abandoned",
+    "tollgate_limit_keys_evicted",
+    "tollgate_eventual_units_lost",
+    "tollgate_panics",
 ];
 const HISTOGRAMS: &[&str] = &[
     "tollgate_request_duration_seconds",
@@ -474,7 +477,11 @@ const HISTOGRAMS: &[&str] = &[
     "tollgate_limiter_duration_seconds",
     "tollgate_delay_seconds",
 ];
-const GAUGES: &[&str] = &["tollgate_local_keys"];
+const GAUGES: &[&str] = &[
+    "tollgate_local_keys",
+    "tollgate_limit_keys",
+    "tollgate_limit_keys_max",
+];
 
 /// Every series name a query may use: counters with `_total`, histograms' `_bucket`, `_sum`,
 /// `_count`, gauges as they are.
@@ -1026,6 +1033,7 @@ async fn image_command_serves_health_and_metrics_without_redis_and_stops_on_sigt
         "tollgate_redis_errors_total",
         "tollgate_fallback_decisions_total",
         "tollgate_config_reloads_total",
+        "tollgate_panics_total",
     ] {
         assert!(
             types.contains_key(family),

@@ -5,7 +5,13 @@
 
 use std::time::Duration;
 
-use crate::support::tls::{HttpsUpstream, Pki, get, https_client};
+use std::sync::Arc;
+
+use rustls::{CipherSuite, HandshakeKind, NamedGroup, ProtocolVersion};
+
+use crate::support::tls::{
+    HttpsUpstream, Pki, client_config, client_config_for, get, https_client, tls_get,
+};
 use crate::support::upstream::Upstream;
 use crate::support::{Gateway, TempDir, client};
 use serde_json::Value;
@@ -263,6 +269,150 @@ async fn tls_listener_serves_http11_and_http2_by_alpn() {
     let url = format!("https://127.0.0.1:{}/echo", g.addr.port());
     let (status, _, _) = get(&https_client(&pki.ca_der, true), &url).await;
     assert_eq!(status, 200);
+}
+
+/// HTTP/1.1 over TLS is the fast codec's whatever the client's ALPN says (`http/1.1`, or none
+/// at all), with the same answers and `X-Forwarded-Proto: https`; `h2` is hyper's.
+#[tokio::test]
+async fn tls_http11_with_or_without_alpn_is_served_and_h2_too() {
+    let pki = Pki::new();
+    let dir = TempDir::new();
+    let up = Upstream::start().await;
+    let g = tls_gateway(&pki, &dir, &up).await;
+    for (alpn, want) in [
+        (vec![], None),
+        (vec![b"http/1.1".to_vec()], Some(&b"http/1.1"[..])),
+    ] {
+        let mut cfg = client_config(&pki.ca_der);
+        cfg.alpn_protocols = alpn;
+        let n = tls_get(g.addr, Arc::new(cfg), "/echo").await;
+        assert_eq!(n.alpn.as_deref(), want);
+        assert!(
+            n.response.starts_with("HTTP/1.1 200 OK\r\n"),
+            "{}",
+            n.response
+        );
+        assert!(
+            n.response.contains(r#""x-forwarded-proto":"https""#),
+            "{}",
+            n.response
+        );
+    }
+    let (status, version, _) = get(
+        &https_client(&pki.ca_der, true),
+        &format!("https://localhost:{}/echo", g.addr.port()),
+    )
+    .await;
+    assert_eq!((status, version), (200, hyper::Version::HTTP_2));
+    assert_eq!(up.hits(), 3);
+}
+
+/// Sessions resume, as nginx's do by default: TLS 1.3 by ticket, TLS 1.2 by ticket or by
+/// session id, also after a reload (which builds a new TLS config); and the handshake takes
+/// X25519 and AES-128-GCM even from a client that lists AES-256-GCM first (rustls' and
+/// OpenSSL's clients do).
+#[tokio::test]
+async fn tls_sessions_resume_across_reloads_with_x25519_and_aes_128_gcm() {
+    let pki = Pki::new();
+    let dir = TempDir::new();
+    let up = Upstream::start().await;
+    let g = tls_gateway(&pki, &dir, &up).await;
+    let tls12_by_id = {
+        let mut c = client_config_for(&pki.ca_der, &[&rustls::version::TLS12]);
+        c.resumption = rustls::client::Resumption::in_memory_sessions(8)
+            .tls12_resumption(rustls::client::Tls12Resumption::SessionIdOnly);
+        c
+    };
+    let clients = [
+        (
+            client_config_for(&pki.ca_der, &[&rustls::version::TLS13]),
+            ProtocolVersion::TLSv1_3,
+            CipherSuite::TLS13_AES_128_GCM_SHA256,
+        ),
+        (
+            client_config_for(&pki.ca_der, &[&rustls::version::TLS12]),
+            ProtocolVersion::TLSv1_2,
+            CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        ),
+        (
+            tls12_by_id,
+            ProtocolVersion::TLSv1_2,
+            CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        ),
+    ];
+    for (cfg, version, suite) in clients {
+        let cfg = Arc::new(cfg);
+        let mut kinds = Vec::new();
+        for round in 0..3 {
+            if round == 2 {
+                g.shared.reload().await.expect("reload");
+            }
+            let n = tls_get(g.addr, cfg.clone(), "/echo").await;
+            assert!(n.response.starts_with("HTTP/1.1 200 "), "{}", n.response);
+            // TLS 1.3 resumes with a fresh key exchange (psk_dhe_ke); TLS 1.2 without one.
+            let group =
+                (round == 0 || version == ProtocolVersion::TLSv1_3).then_some(NamedGroup::X25519);
+            assert_eq!((n.version, n.suite, n.group), (version, suite, group));
+            kinds.push(n.kind);
+        }
+        assert_eq!(
+            kinds,
+            [
+                HandshakeKind::Full,
+                HandshakeKind::Resumed,
+                HandshakeKind::Resumed
+            ],
+            "{version:?} {:?}",
+            cfg.resumption
+        );
+    }
+}
+
+/// OpenSSL-based clients (wrk, many libraries) given `https://127.0.0.1/` put the address in
+/// SNI, which rustls ignores (RFC 6066 allows host names only) and warned about, a line per
+/// connection: the binary at `RUST_LOG=warn` serves such a client and logs nothing about it.
+#[tokio::test]
+async fn an_ip_address_in_sni_is_ignored_without_a_log_line_per_connection() {
+    use crate::support::process::Proc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let dir = TempDir::new();
+    let files = pki.write(&dir.path);
+    let up = Upstream::start().await;
+    let yaml = format!(
+        "server:\n  listen: 127.0.0.1:PROXY_PORT\n  admin: 127.0.0.1:ADMIN_PORT\n  tls:\n    cert: {}\n    key: {}\nroutes:\n  - name: r\n    upstream: {}\n",
+        files.cert.display(),
+        files.key.display(),
+        up.url()
+    );
+    let mut p = Proc::start(&yaml, &[], &[], true).await;
+    let addr: std::net::SocketAddr = p.proxy.trim_start_matches("http://").parse().unwrap();
+    // rustls' client never sends an address as SNI: its ClientHello for a name of the same
+    // length, with the name's bytes replaced.
+    let mut hello = Vec::new();
+    let mut c = rustls::ClientConnection::new(
+        Arc::new(client_config(&pki.ca_der)),
+        "abc.def.g".try_into().unwrap(),
+    )
+    .unwrap();
+    c.write_tls(&mut hello).unwrap();
+    let at = hello.windows(9).position(|w| w == b"abc.def.g").unwrap();
+    hello[at..at + 9].copy_from_slice(b"127.0.0.1");
+    for _ in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&hello).await.unwrap();
+        // A handshake record back: the hello was read and answered.
+        let mut first = [0u8; 1];
+        s.read_exact(&mut first).await.unwrap();
+        assert_eq!(first[0], 0x16, "a TLS handshake record");
+    }
+    let n = tls_get(addr, Arc::new(client_config(&pki.ca_der)), "/echo").await;
+    assert!(n.response.starts_with("HTTP/1.1 200 "), "{}", n.response);
+    p.signal("TERM");
+    assert!(p.exited_ok().await);
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(p.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!stderr.contains("SNI"), "{stderr}");
 }
 
 #[tokio::test]

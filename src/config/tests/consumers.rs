@@ -1,7 +1,7 @@
 //! Plans, overrides, overrides files and shared limits: what loads, and every refusal at its
 //! line and column.
 
-use super::{assert_err, lines, ok, parse, with_limit};
+use super::{assert_err, lines, ok, with_limit};
 use crate::config::OverrideRate;
 
 /// A config with two plans, then `rest` (routes and so on).
@@ -165,7 +165,14 @@ fn an_override_rate_the_algorithm_cannot_take_is_refused() {
         &yaml,
         13,
         19,
-        "counts per window of the limit's period (1m)",
+        "keeps a key's state for the limit's period (1m)",
+    );
+    // So does a log, which is kept (and expires) for one period.
+    assert_err(
+        &yaml.replace("fixed_window", "sliding_log"),
+        13,
+        19,
+        "sliding_log keeps a key's state for the limit's period",
     );
     // A cost no override rate can admit.
     let yaml = with_plans(&[
@@ -304,10 +311,39 @@ fn use_of_an_unknown_limit_or_with_other_fields_is_refused() {
     );
 }
 
+/// A file that cannot be read has no line to point at: the config's field is pointed at.
 #[test]
 fn an_overrides_file_that_cannot_be_read_is_refused_at_its_field() {
     let yaml = with_limit(&["rate: 1/s", "overrides_file: /nonexistent/consumers.yaml"]);
-    let e = parse(&yaml).unwrap_err();
-    assert_eq!(e.path, std::path::Path::new("/nonexistent/consumers.yaml"));
-    assert!(e.message.contains("cannot read the overrides file"), "{e}");
+    assert_err(
+        &yaml,
+        7,
+        25,
+        "cannot read the overrides file /nonexistent/consumers.yaml",
+    );
+}
+
+/// A file's key with another number of `|`-separated parts than the limit's key never
+/// matches: the file loads, with a warning at the field.
+#[test]
+fn keys_that_can_never_match_load_with_a_warning() {
+    let dir = std::env::temp_dir().join(format!("tollgate-misshapen-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("consumers.yaml");
+    std::fs::write(&file, "a: exempt\n\"b|c\": exempt\n").unwrap();
+    let cfg = ok(&with_limit(&[
+        "rate: 1/s",
+        &format!("overrides_file: {}", file.display()),
+        "overrides:",
+        "  - when: { key: [\"x|y\"] }",
+        "    exempt: true",
+    ]));
+    let _ = std::fs::remove_dir_all(&dir);
+    let warnings: Vec<String> = cfg.warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings[0].contains("routes.yaml:7:25: warning: 1 keys of"),
+        "{warnings:?}"
+    );
+    assert!(warnings[1].contains("when.key `x|y` has 2"), "{warnings:?}");
 }

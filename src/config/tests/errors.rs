@@ -201,6 +201,29 @@ fn duration_not_understood() {
 }
 
 #[test]
+fn max_keys_must_be_a_whole_number_of_at_least_1024() {
+    let yaml = lines(&["server:", "  max_keys: 1023"]);
+    assert_err(
+        &yaml,
+        2,
+        13,
+        "max_keys 1023 is too small: give at least 1024",
+    );
+    for bad in ["-5", "1.5", "lots", "1m"] {
+        let yaml = lines(&["server:", &format!("  max_keys: {bad}")]);
+        assert_err(&yaml, 2, 13, "expected a whole number");
+    }
+    let cfg = ok(&lines(&["server:", "  max_keys: 1024"]));
+    assert_eq!(cfg.server.max_keys, 1024);
+    // Left out: the default for this machine's memory.
+    let cfg = ok("routes: []\n");
+    assert_eq!(
+        cfg.server.max_keys,
+        crate::limit::budget::default_max_keys().keys
+    );
+}
+
+#[test]
 fn decimal_durations_in_whole_milliseconds() {
     for (text, ms) in [
         ("1.5s", 1_500),

@@ -1,9 +1,11 @@
 //! Every validation rule with its exact position, and the shipped files.
 
 mod after;
+mod calendar;
 mod consumers;
 mod errors;
 mod limits;
+mod sentinel;
 mod tls;
 mod valid;
 

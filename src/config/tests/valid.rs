@@ -70,6 +70,7 @@ fn spec_limit() -> LimitConfig {
         shadow: false,
         consistency: Consistency::Strict,
         sync_interval: Duration::from_millis(100),
+        calendar: None,
         overrides: Vec::new(),
         overrides_file: None,
         shared: false,
@@ -121,6 +122,7 @@ fn defaults_are_applied() {
         "  trusted_proxies: [192.168.1.10, '::1', 10.1.2.3/8]",
         "  grace_period: 5",
         "  max_waiters: 10",
+        "  max_keys: 50000",
         "  admin_token: s3cret",
         "redis:",
         "  cluster: [redis://h1:7000, 'rediss://:pw@h2:7001']",
@@ -169,6 +171,7 @@ fn defaults_are_applied() {
             ],
             grace_period: Duration::from_secs(5),
             max_waiters: 10,
+            max_keys: 50_000,
             admin_token: Some("s3cret".into()),
             tls: None,
             upstream_ca: None,
@@ -222,6 +225,7 @@ fn defaults_are_applied() {
                 shadow: false,
                 consistency: Consistency::Strict,
                 sync_interval: Duration::from_millis(100),
+                calendar: None,
                 overrides: Vec::new(),
                 overrides_file: None,
                 shared: false,
@@ -260,6 +264,7 @@ fn defaults_are_applied() {
             shadow: true,
             consistency: Consistency::Strict,
             sync_interval: Duration::from_millis(100),
+            calendar: None,
             overrides: Vec::new(),
             overrides_file: None,
             shared: false,
@@ -300,6 +305,22 @@ fn no_routes_loads_with_a_warning_and_an_empty_file_is_refused() {
         );
     }
     assert!(summary(&Config::default()).contains("routes   none: every request gets 404"));
+    let keys = crate::limit::budget::default_max_keys().keys;
+    let default = summary(&Config::default());
+    assert!(default.contains("keys     at most "), "{default}");
+    assert!(default.contains("(default: 1/16 of "), "{default}");
+    let mut set = Config::default();
+    set.server.max_keys = if keys == 1_234_567 {
+        7_654_321
+    } else {
+        1_234_567
+    };
+    let set = summary(&set);
+    assert!(
+        set.contains("keys     at most 1,234,567 held in process (max_keys; about 301.4 MiB at 256 B per key)")
+            || set.contains("at most 7,654,321"),
+        "{set}"
+    );
     for yaml in ["", "\n\n", "# nothing yet\n", "---\n", "\u{feff}  \n"] {
         let e = super::parse(yaml).unwrap_err();
         assert_eq!((e.line, e.column), (1, 1), "{yaml:?}");

@@ -1,9 +1,15 @@
-//! Fixed window: one counter per key for the aligned window `[now - now % period, + period)`.
-//! The cheapest algorithm, and the one whose reset instant is the same for every key.
+//! Fixed window: one counter per key for the window holding `now`: by default the aligned
+//! `[now - now % period, + period)`, with `align: calendar` a civil day, week or month of a
+//! time zone ([`Calendar`]). The cheapest algorithm, and the one whose reset instant is the
+//! same for every key.
 //!
-//! Bound: at most `count` units inside one aligned window, hence at most `2 × count` in any
-//! interval of length `period` (the end of one window and the start of the next).
+//! Bound: at most `count` units inside one window, hence at most `2 × count` in any interval
+//! of one window's length (the end of one window and the start of the next). A calendar day
+//! of 23 hours admits the same `count` as one of 25.
 
+use std::sync::Arc;
+
+use super::calendar::Calendar;
 use super::{Micros, Quota, Rejection, Snapshot};
 
 /// The window the counter belongs to travels with it, so a stale counter is recognised (and
@@ -16,20 +22,52 @@ pub struct WindowState {
     pub count: u64,
 }
 
-/// Fixed window: at most `count` units in each aligned window of `period` microseconds.
+/// Where windows start and end: the window function the algorithm is built with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Windows {
+    /// Multiples of `period` since the clock's epoch (1970 UTC): a `1m` window at every whole
+    /// minute, a `1d` one at midnight UTC. Integer arithmetic only.
+    Epoch {
+        /// The period in microseconds, kept > 0 so `now % period` cannot panic on a bad value.
+        period: Micros,
+    },
+    /// Civil days, weeks or months of a time zone (shared: clones of one limit's algorithm
+    /// share its cache of the current window).
+    Calendar(Arc<Calendar>),
+}
+
+/// Fixed window: at most `count` units in each window.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FixedWindow {
     quota: Quota,
-    /// `quota.period`, kept > 0 so `now % period` cannot panic on a bad value.
-    period: Micros,
+    windows: Windows,
 }
 
 impl FixedWindow {
-    /// The fixed window for `quota` (`burst` is not used).
+    /// The fixed window for `quota` (`burst` is not used), on windows aligned to the epoch.
     pub fn new(quota: Quota) -> Self {
         Self {
             quota,
-            period: quota.period.max(1),
+            windows: Windows::Epoch {
+                period: quota.period.max(1),
+            },
+        }
+    }
+
+    /// The fixed window for `quota` on `calendar`'s windows; `quota.period` is their nominal
+    /// length (see [`super::calendar::Unit::nominal`]), which nothing here computes with.
+    pub fn calendar(quota: Quota, calendar: Calendar) -> Self {
+        Self {
+            quota,
+            windows: Windows::Calendar(Arc::new(calendar)),
+        }
+    }
+
+    /// The calendar the windows follow, if they are calendar windows.
+    pub fn calendar_windows(&self) -> Option<&Calendar> {
+        match &self.windows {
+            Windows::Epoch { .. } => None,
+            Windows::Calendar(c) => Some(c),
         }
     }
 
@@ -43,11 +81,20 @@ impl FixedWindow {
         WindowState::default()
     }
 
-    /// `(window start, time left in the window)`; the latter is `ws + P - now` written so
-    /// that it cannot overflow.
+    /// `(window start, time left in the window)`; for epoch windows the latter is
+    /// `ws + P - now` written so that it cannot overflow.
+    #[inline]
     fn window(&self, now: Micros) -> (Micros, Micros) {
-        let into = now % self.period;
-        (now - into, self.period - into)
+        match &self.windows {
+            Windows::Epoch { period } => {
+                let into = now % period;
+                (now - into, period - into)
+            }
+            Windows::Calendar(c) => {
+                let (start, end) = c.window_at(now);
+                (start, end.saturating_sub(now))
+            }
+        }
     }
 
     /// Units counted in the window that contains `now`.
@@ -61,6 +108,7 @@ impl FixedWindow {
 
     /// Admits while the current window's count plus `cost` stays within `count`; a rejection
     /// waits for the window's end. See [`Algorithm::check`](super::Algorithm::check).
+    #[inline]
     pub fn check(
         &self,
         state: &WindowState,
@@ -87,6 +135,7 @@ impl FixedWindow {
 
     /// Adds `cost` to the window containing `now`, starting a new count when the window has
     /// moved on.
+    #[inline]
     pub fn commit(&self, state: &mut WindowState, now: Micros, cost: u64) {
         let (ws, _) = self.window(now);
         if state.start != ws {
@@ -109,11 +158,14 @@ impl FixedWindow {
     }
 
     /// The end of the counted window (0 when nothing is counted).
+    #[inline]
     pub fn full_at(&self, state: &WindowState) -> Micros {
         if state.count == 0 {
-            0
-        } else {
-            state.start.saturating_add(self.period)
+            return 0;
+        }
+        match &self.windows {
+            Windows::Epoch { period } => state.start.saturating_add(*period),
+            Windows::Calendar(c) => c.end_of(state.start),
         }
     }
 
@@ -142,6 +194,7 @@ impl FixedWindow {
 
 #[cfg(test)]
 mod tests {
+    use super::super::calendar::Unit;
     use super::super::testkit::{self, Event};
     use super::super::{Algorithm, Quota, Rejection, Snapshot};
     use super::*;
@@ -302,7 +355,107 @@ mod tests {
         testkit::quota().prop_flat_map(|q| (Just(q), testkit::timeline(q, q.count)))
     }
 
+    fn calendar(unit: Unit, tz: &str, count: u64) -> FixedWindow {
+        FixedWindow::calendar(
+            Quota {
+                count,
+                period: unit.nominal(),
+                burst: count,
+            },
+            Calendar::new(unit, jiff::tz::TimeZone::get(tz).unwrap()),
+        )
+    }
+
+    /// 2024-03-31 00:00 Europe/Berlin (22:00 UTC the day before), a 23-hour day.
+    const BERLIN_SPRING: Micros = 1_711_839_600_000_000;
+    const HOUR: Micros = 3_600_000_000;
+
+    #[test]
+    fn a_calendar_day_admits_count_and_retry_after_is_the_next_local_midnight() {
+        let f = calendar(Unit::Day, "Europe/Berlin", 2);
+        let mut s = f.new_state();
+        let noon = BERLIN_SPRING + 11 * HOUR; // 12:00 CEST: 11 hours since midnight CET
+        assert_eq!(take(&f, &mut s, noon, 2).reset_after, 12 * HOUR);
+        assert_eq!(
+            f.check(&s, noon, 1),
+            Err(Rejection {
+                retry_after: 12 * HOUR,
+                remaining: 0,
+                reset_after: 12 * HOUR,
+            })
+        );
+        assert_eq!(s.start, BERLIN_SPRING);
+        // The window of 23 hours ends at the next midnight, where the key is full again.
+        assert_eq!(f.full_at(&s), BERLIN_SPRING + 23 * HOUR);
+        assert_eq!(take(&f, &mut s, BERLIN_SPRING + 23 * HOUR, 1).remaining, 1);
+        assert_eq!(f.full_at(&s), BERLIN_SPRING + 47 * HOUR);
+    }
+
+    fn zones() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "Europe/Berlin",
+            "America/New_York",
+            "Australia/Lord_Howe",
+        ])
+    }
+
+    /// Timelines of hours to days around 2024's clock changes (spring and autumn both
+    /// hemispheres), in days or months of the zone.
+    fn calendar_case() -> impl Strategy<Value = (Unit, &'static str, u64, Vec<Event>)> {
+        let unit = prop::sample::select(vec![Unit::Day, Unit::Month]);
+        (unit, zones(), 1u64..=6).prop_flat_map(|(unit, tz, count)| {
+            let start = prop_oneof![
+                // 2024-03-01 .. 2024-04-15 and 2024-09-25 .. 2024-11-15 (UTC)
+                1_709_251_200_000_000u64..=1_713_139_200_000_000,
+                1_727_222_400_000_000u64..=1_731_628_800_000_000,
+            ];
+            let span = unit.nominal();
+            let gap = prop_oneof![4 => 0..=HOUR, 3 => 0..=span / 4, 1 => 0..=span];
+            let cost = prop_oneof![3 => Just(1u64), 1 => 1..=count];
+            (
+                Just(unit),
+                Just(tz),
+                Just(count),
+                start,
+                prop::collection::vec((gap, cost), 1..=80),
+            )
+                .prop_map(|(unit, tz, count, start, steps)| {
+                    let mut now = start;
+                    let events = steps
+                        .into_iter()
+                        .map(|(gap, cost)| {
+                            now += gap;
+                            (now, cost)
+                        })
+                        .collect();
+                    (unit, tz, count, events)
+                })
+        })
+    }
+
     proptest! {
+        /// On calendar windows too: the per-decision contract (exact Retry-After and
+        /// `full_at`), at most `count` per window, and `2 × count` in any interval no longer
+        /// than the shortest window the timeline crossed.
+        #[test]
+        fn prop_calendar_bound_retry_after_and_eviction((unit, tz, count, events) in calendar_case()) {
+            let f = calendar(unit, tz, count);
+            let cal = f.calendar_windows().unwrap();
+            let admitted = testkit::simulate(&Algorithm::FixedWindow(f.clone()), &events);
+            let mut per_window = std::collections::BTreeMap::new();
+            let mut shortest = Micros::MAX;
+            for &(t, cost) in &admitted {
+                let (s, e) = cal.window_at(t);
+                shortest = shortest.min(e - s);
+                *per_window.entry(s).or_insert(0) += cost;
+            }
+            for (s, n) in per_window {
+                prop_assert!(n <= count, "{n} in the window from {s}, count {count}");
+            }
+            let most = testkit::max_in_interval(&admitted, shortest, false);
+            prop_assert!(most <= 2 * count, "{most} in {shortest} µs, count {count}");
+        }
+
         #[test]
         fn prop_bound_retry_after_and_eviction((q, events) in case()) {
             let admitted = testkit::simulate(&Algorithm::FixedWindow(FixedWindow::new(q)), &events);

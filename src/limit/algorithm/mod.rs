@@ -10,6 +10,7 @@
 //! (`TIME`), the process start for local limits. Microseconds since 1970 stay below 2^53, so Lua's
 //! doubles hold every value the Rust side computes exactly.
 
+pub mod calendar;
 pub mod concurrency;
 pub mod fixed_window;
 pub mod gcra;
@@ -17,8 +18,9 @@ pub mod settle;
 pub mod sliding_log;
 pub mod sliding_window;
 
+pub use calendar::Calendar;
 pub use concurrency::{Concurrency, ConcurrencyState};
-pub use fixed_window::{FixedWindow, WindowState};
+pub use fixed_window::{FixedWindow, WindowState, Windows};
 pub use gcra::{Gcra, GcraState};
 pub use settle::Settlement;
 pub use sliding_log::{LogState, SlidingLog};
@@ -381,6 +383,10 @@ mod tests {
                 Algorithm::FixedWindow(FixedWindow::new(q)),
                 Algorithm::SlidingWindow(SlidingWindow::new(q)),
                 Algorithm::SlidingLog(SlidingLog::new(q)),
+                Algorithm::FixedWindow(FixedWindow::calendar(q, Calendar::new(
+                    calendar::Unit::Month,
+                    jiff::tz::TimeZone::get("America/New_York").unwrap(),
+                ))),
             ];
             let states = [
                 State::Gcra(GcraState { tat: a }),

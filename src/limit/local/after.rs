@@ -32,6 +32,8 @@ impl LocalStore {
                 State::Concurrency(s) => s.release(cost),
                 _ => 0,
             },
+            // The key is live (checked above): nothing is inserted, nothing ranked.
+            |_| 0,
         );
     }
 
@@ -55,6 +57,7 @@ impl LocalStore {
                 algorithm.settle(state, s, now);
                 algorithm.full_at(state)
             },
+            super::rank(algorithm, now),
         );
     }
 }

@@ -18,7 +18,7 @@
 //! make the tier stricter by at most those units — under one request's cost per racing request,
 //! for at most that answer's `retry_after`.
 
-use super::sharded::Sharded;
+use super::sharded::{Rank, Sharded};
 use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
 
 #[derive(Clone, Copy, Debug)]
@@ -90,6 +90,7 @@ impl Drop for ProbeGuard<'_> {
                     d.probing = false;
                     d.admit_at + PROBE_WINDOW
                 },
+                any_first,
             );
         }
         self.cache.probe_done.notify_waiters();
@@ -154,6 +155,7 @@ impl DenyCache {
                 d.probing = true;
                 d.admit_at + PROBE_WINDOW
             },
+            any_first,
         );
         Probe::Lead(ProbeGuard {
             cache: self,
@@ -258,6 +260,7 @@ impl DenyCache {
                 }
                 cur.admit_at + PROBE_WINDOW
             },
+            any_first,
         );
     }
 
@@ -283,6 +286,29 @@ impl DenyCache {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
+
+    /// Caps the tier at `keys` entries (its share of `server.max_keys`), evicting at once the
+    /// entries that expire soonest when it holds more.
+    pub fn set_budget(&self, keys: usize, now: Micros) {
+        self.map.set_budget(keys, now, any_first, drop);
+    }
+
+    /// The budget last set (`usize::MAX`: none).
+    pub fn budget(&self) -> usize {
+        self.map.budget()
+    }
+
+    /// Entries evicted to keep within the budget since the last call.
+    pub fn take_evicted(&self) -> u64 {
+        self.map.take_evicted()
+    }
+}
+
+/// Every entry ranks alike, so a full shard evicts the one whose `admit_at` comes first: its
+/// rejection would be forgotten soonest anyway. Evicting any entry is safe: the key's next
+/// request asks Redis, which still decides.
+fn any_first(_: &Deny) -> Rank {
+    0
 }
 
 #[cfg(test)]
@@ -420,6 +446,35 @@ mod tests {
         assert_eq!(c.sweep(10), 1);
         assert!(c.check(b"k", 10, 0, 7).is_none());
         assert_eq!(c.sweep(10 + PROBE_WINDOW), 0);
+    }
+
+    /// Capped, the tier forgets the rejections that end soonest: a key it no longer holds is
+    /// simply asked of Redis again (`check` answers nothing), and it never holds more than its
+    /// budget.
+    #[test]
+    fn a_capped_tier_forgets_the_rejections_that_end_soonest() {
+        let c = DenyCache::default();
+        c.set_budget(64 * 2, 0);
+        let r = |retry_after| Rejection {
+            retry_after,
+            remaining: 0,
+            reset_after: retry_after,
+        };
+        for i in 0..10_000u64 {
+            c.rejected(format!("k{i}").as_bytes(), 1_000, &r(1_000_000 + i), 0, 7);
+            assert!(c.len() <= 64 * 2);
+        }
+        let held = (0..10_000u64)
+            .filter(|i| c.check(format!("k{i}").as_bytes(), 1_000, 0, 7).is_some())
+            .count();
+        assert_eq!(held, c.len());
+        assert_eq!(c.take_evicted(), 10_000 - held as u64);
+        // A long rejection recorded now stays over the flood of shorter ones.
+        c.rejected(b"long", 1_000, &r(60_000_000), 0, 7);
+        for i in 10_000..20_000u64 {
+            c.rejected(format!("k{i}").as_bytes(), 1_000, &r(1_000_000), 0, 7);
+        }
+        assert!(c.check(b"long", 1_000, 0, 7).is_some());
     }
 
     #[test]

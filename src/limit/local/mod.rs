@@ -5,6 +5,10 @@
 //! [`LocalStore::sweep`] on a timer, so memory follows the keys that are active now, not every
 //! key ever seen.
 //!
+//! The store holds at most its share of `server.max_keys` ([`LocalStore::set_budget`]); a new
+//! key in a full shard evicts the key closest to full, which is the key with the most units
+//! left (see [`sharded`]).
+//!
 //! [`decide`] evaluates all of a request's local limits under their shard locks, taken in one
 //! order for every request (by store address, so two requests cannot deadlock, even across a
 //! reload that reorders a route's limits), checks every limit and commits only if all admitted. That is what makes
@@ -17,7 +21,7 @@ pub mod sharded;
 use smallvec::SmallVec;
 
 use super::algorithm::{Algorithm, Micros, Rejection, Snapshot, State};
-use sharded::{Found, Shard, Sharded};
+use sharded::{Found, Rank, Shard, Sharded};
 
 /// The state of one local limit's keys. An entry expires at its `full_at`: from then on it is
 /// indistinguishable from a fresh key, so dropping it loses nothing.
@@ -70,6 +74,28 @@ impl LocalStore {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
+
+    /// Caps the store at `keys` keys (its share of `server.max_keys`), evicting at once the
+    /// keys closest to full under `algorithm` when it holds more.
+    pub fn set_budget(&self, keys: usize, algorithm: &Algorithm, now: Micros) {
+        self.map.set_budget(keys, now, rank(algorithm, now), drop);
+    }
+
+    /// The budget last set (`usize::MAX`: none).
+    pub fn budget(&self) -> usize {
+        self.map.budget()
+    }
+
+    /// Keys evicted to keep within the budget since the last call.
+    pub fn take_evicted(&self) -> u64 {
+        self.map.take_evicted()
+    }
+}
+
+/// How close a key's state is to full: the units its limit has left now. A key that took one
+/// unit of a flood stands just under full and goes before a client deep in its budget.
+fn rank(algorithm: &Algorithm, now: Micros) -> impl Fn(&State) -> Rank + '_ {
+    move |state| algorithm.peek(state, now).remaining
 }
 
 /// Applies an admitted decision in place (no clone of the state, which for sliding_log is a
@@ -85,6 +111,7 @@ fn commit(shard: &mut Shard<State>, found: Found, hash: u64, c: &LocalCheck<'_>,
             c.algorithm.commit(state, now, c.cost);
             c.algorithm.full_at(state)
         },
+        rank(c.algorithm, now),
     );
 }
 
@@ -345,6 +372,88 @@ mod tests {
                 proptest::prop_assert_eq!(alone.peek(&alg, b"k", now), paired.peek(&alg, b"k", now));
             }
         }
+    }
+
+    /// The overflow policy: a flood of fresh keys far beyond the budget, each taking one unit,
+    /// never resets a client deep in its budget; the store never holds more than its budget;
+    /// every key not held was counted as evicted.
+    #[test]
+    fn an_honest_key_deep_in_its_budget_survives_a_flood_of_fresh_keys() {
+        let store = LocalStore::new();
+        // An hour's budget: nothing comes back to full during the test.
+        let alg = Algorithm::Gcra(Gcra::new(Quota {
+            count: 100,
+            period: 3_600_000_000,
+            burst: 100,
+        }));
+        let budget = 1_024;
+        store.set_budget(budget, &alg, 1);
+        let honest: Vec<Vec<u8>> = (0..48)
+            .map(|i| format!("honest-{i}").into_bytes())
+            .collect();
+        let take = |key: &[u8], n: usize, now: Micros| {
+            for _ in 0..n {
+                assert!(decide(&[check(&store, &alg, key, false)], now).0);
+            }
+        };
+        for k in &honest {
+            take(k, 90, 10);
+        }
+        let flood = 200_000u64;
+        for i in 0..flood {
+            take(format!("flood-{i}").as_bytes(), 1, 20 + i);
+            if i % 1_000 == 0 {
+                assert!(store.len() <= budget, "{} held over {budget}", store.len());
+            }
+        }
+        let now = 20 + flood;
+        for k in &honest {
+            assert_eq!(
+                store.peek(&alg, k, now).remaining,
+                10,
+                "{} was reset by the flood",
+                String::from_utf8_lossy(k)
+            );
+        }
+        let held = store.len();
+        assert!(held <= budget && held > budget / 2, "{held}");
+        assert_eq!(
+            store.take_evicted(),
+            honest.len() as u64 + flood - held as u64
+        );
+        assert_eq!(store.take_evicted(), 0, "taken");
+    }
+
+    /// A budget lowered (a reload, or another store's flood) trims at once, the keys closest to
+    /// full first.
+    #[test]
+    fn a_lowered_budget_trims_the_keys_closest_to_full() {
+        let store = LocalStore::new();
+        let alg = Algorithm::FixedWindow(FixedWindow::new(Quota {
+            count: 100,
+            period: 3_600_000_000,
+            burst: 100,
+        }));
+        let take = |key: &[u8], n: usize| {
+            for _ in 0..n {
+                assert!(decide(&[check(&store, &alg, key, false)], 5).0);
+            }
+        };
+        for i in 0..64 * 16 {
+            take(format!("light-{i}").as_bytes(), 1);
+        }
+        // 16 heavy keys over 64 shards of 8 keys each: no shard has more heavy keys than room.
+        for i in 0..16 {
+            take(format!("heavy-{i}").as_bytes(), 50);
+        }
+        assert_eq!(store.len(), 64 * 16 + 16);
+        store.set_budget(64 * 8, &alg, 5);
+        assert!(store.len() <= 64 * 8);
+        for i in 0..16 {
+            let k = format!("heavy-{i}");
+            assert_eq!(store.peek(&alg, k.as_bytes(), 5).remaining, 50, "{k}");
+        }
+        assert_eq!(store.take_evicted(), (64 * 16 + 16 - store.len()) as u64);
     }
 
     #[test]

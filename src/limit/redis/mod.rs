@@ -16,6 +16,10 @@
 //!   that elapsed between commit and refund (an RTT's worth, usually a fraction of a unit),
 //!   the others are exact. A refund that fails (Redis gone mid-request) leaves the units
 //!   taken until the key expires, which again only errs towards limiting.
+//! - **Redis Sentinel**: everything above runs on the master the sentinels name; fred asks
+//!   them at every (re)connect, and the store moves its connections to a new master as soon as
+//!   a sentinel announces a failover (see `sentinel.rs`). During the failover Redis is down,
+//!   as below.
 //! - **Time** is the Redis server's (`TIME` inside the script); on a cluster, each slot's
 //!   node's clock.
 //! - **Memory**: every written key expires once its state is back to full.
@@ -40,6 +44,7 @@
 mod breaker;
 mod error;
 mod script;
+mod sentinel;
 
 pub use crate::config::redis::{MAX_PARAM, parse_url};
 pub use breaker::{Breaker, Health, Transition};
@@ -93,7 +98,7 @@ const PROBE_TICK: Duration = Duration::from_millis(50);
 /// How to reach Redis: the config's `redis` section as the store needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// Which Redis: one server or a Cluster.
+    /// Which Redis: one server, a Cluster, or a master named by Sentinel.
     pub target: RedisTarget,
     /// Bound on every call (`redis.timeout`).
     pub timeout: Duration,
@@ -192,6 +197,9 @@ struct Inner {
     subscriber: fred::clients::Client,
     /// What the subscriber hears, for [`RedisStore::resets`].
     resets: tokio::sync::broadcast::Sender<String>,
+    /// With `redis.sentinel`: one client per sentinel, subscribed to its announcements of a
+    /// failover (see [`sentinel`]); none otherwise.
+    watchers: Vec<fred::clients::Client>,
 }
 
 impl Inner {
@@ -249,6 +257,9 @@ impl Inner {
             Err(_) => Err(timed_out(client)),
         };
         self.record(result.as_ref().map(|_| ()));
+        if let Err(e @ RedisError::Script(_)) = &result {
+            warn_script_error(e);
+        }
         result
     }
 
@@ -305,11 +316,27 @@ impl Drop for Inner {
         {
             let pool = self.pool.clone();
             let subscriber = self.subscriber.clone();
+            let watchers = self.watchers.clone();
             handle.spawn(async move {
                 let _ = tokio::time::timeout(Duration::from_secs(1), pool.quit()).await;
                 let _ = tokio::time::timeout(Duration::from_secs(1), subscriber.quit()).await;
+                quit_all(&watchers).await;
             });
         }
+    }
+}
+
+/// Logs a script's error reply at most once a second: a bad deployment or an instance whose
+/// clock is more than a calendar window from Redis's fails every call, and `on_error` answers
+/// each of them (each is counted in `tollgate_redis_errors_total{kind="script"}`).
+fn warn_script_error(e: &RedisError) {
+    use std::sync::atomic::AtomicU64;
+    static LAST_SECOND: AtomicU64 = AtomicU64::new(u64::MAX);
+    let second = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST_SECOND.swap(second, Ordering::Relaxed) != second {
+        tracing::warn!(error = %e, "redis script failed; on_error decides (logged once a second)");
     }
 }
 
@@ -356,7 +383,17 @@ fn fred_config(target: &RedisTarget) -> Result<Config, RedisError> {
             config.server = ServerConfig::new_clustered(hosts);
             Ok(config)
         }
+        RedisTarget::Sentinel(target) => crate::config::redis::sentinel_config(target)
+            .map_err(|why| RedisError::Connection(format!("invalid redis sentinel setup: {why}"))),
     }
+}
+
+/// Closes `clients` (sentinel watchers), each within a second.
+async fn quit_all(clients: &[fred::clients::Client]) {
+    let quits = clients
+        .iter()
+        .map(|c| tokio::time::timeout(Duration::from_secs(1), c.quit()));
+    futures_util::future::join_all(quits).await;
 }
 
 impl RedisStore {
@@ -381,6 +418,11 @@ impl RedisStore {
         // Short backoff ceiling: decisions come back to Redis within ~1 s of it returning.
         let mut policy = ReconnectPolicy::new_exponential(0, 10, 400, 2);
         policy.set_jitter(20);
+        // A sentinel that is down is asked again every 2 s at most: it only brings news.
+        let mut watch_policy = ReconnectPolicy::new_exponential(0, 100, 2_000, 2);
+        watch_policy.set_jitter(100);
+        let watchers = sentinel::watchers(&config, &watch_policy)?;
+        let master = sentinel::master_name(&config).map(str::to_owned);
         // Its own connection: a RESP2 connection that subscribed runs nothing else.
         let subscriber = Builder::from_config(config.clone())
             .with_connection_config(|c: &mut ConnectionConfig| {
@@ -430,6 +472,7 @@ impl RedisStore {
             shut_down: AtomicBool::new(false),
             subscriber: subscriber.clone(),
             resets: tokio::sync::broadcast::channel(RESETS_QUEUED).0,
+            watchers,
         });
         let logged = Arc::new(Mutex::new(BTreeMap::new()));
         for client in inner.pool.clients() {
@@ -437,11 +480,38 @@ impl RedisStore {
             runtime.spawn(log_connection_errors(client.error_rx(), logged.clone()));
         }
         runtime.spawn(supervise(subscriber.clone(), Arc::downgrade(&inner)));
-        runtime.spawn(listen_resets(
+        let resets = inner.resets.clone();
+        runtime.spawn(listen(
             subscriber,
-            inner.resets.clone(),
+            RESET_CHANNEL,
+            move |tag| {
+                let _ = resets.send(tag);
+            },
             Arc::downgrade(&inner),
         ));
+        if let Some(master) = master {
+            let (announce, announced) = tokio::sync::watch::channel(None);
+            for watcher in &inner.watchers {
+                runtime.spawn(supervise(watcher.clone(), Arc::downgrade(&inner)));
+                runtime.spawn(log_connection_errors(watcher.error_rx(), logged.clone()));
+                let (announce, master) = (announce.clone(), master.clone());
+                runtime.spawn(listen(
+                    watcher.clone(),
+                    sentinel::SWITCH_CHANNEL,
+                    move |message| {
+                        if let Some(to) = sentinel::switched_to(&message, &master) {
+                            announce.send_if_modified(|now| {
+                                let new = now.as_ref() != Some(&to);
+                                *now = Some(to);
+                                new
+                            });
+                        }
+                    },
+                    Arc::downgrade(&inner),
+                ));
+            }
+            runtime.spawn(follow_switches(announced, Arc::downgrade(&inner)));
+        }
         runtime.spawn(probe_loop(Arc::downgrade(&inner)));
         if path == ScriptPath::Functions {
             runtime.spawn(load_library(Arc::downgrade(&inner)));
@@ -482,6 +552,22 @@ impl RedisStore {
         leases: &[u64],
         now_override: Option<Micros>,
     ) -> Result<Decision, RedisError> {
+        let instance_now = script::instance_now(now_override);
+        self.decide_seen_from(limits, shadow, leases, now_override, instance_now)
+            .await
+    }
+
+    /// [`RedisStore::decide_leasing`] with the calendar windows sent around `instance_now`
+    /// rather than this instance's clock: what an instance whose clock is that far from Redis's
+    /// sends (tests of the skew the scripts absorb; Redis's clock decides the window).
+    pub async fn decide_seen_from(
+        &self,
+        limits: &[GlobalLimit<'_>],
+        shadow: &[bool],
+        leases: &[u64],
+        now_override: Option<Micros>,
+        instance_now: Micros,
+    ) -> Result<Decision, RedisError> {
         if limits.is_empty() {
             return Ok(Decision {
                 admitted: true,
@@ -493,7 +579,8 @@ impl RedisStore {
         let groups = self.groups(limits);
         let mut decision = if groups.len() == 1 {
             let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
-            let (keys, args) = script::decide_call(&all, shadow, leases, now_override)?;
+            let (keys, args) =
+                script::decide_call(&all, shadow, leases, now_override, instance_now)?;
             let reply = self.inner.eval(Call::Decide, keys, args).await?;
             let reply = script::decode_decide(&reply, limits.len(), shadow)?;
             Decision {
@@ -502,7 +589,7 @@ impl RedisStore {
                 per_limit: reply.per_limit,
             }
         } else {
-            self.decide_split(limits, shadow, leases, groups, now_override)
+            self.decide_split(limits, shadow, leases, groups, now_override, instance_now)
                 .await?
         };
         for (l, v) in limits.iter().zip(&mut decision.per_limit) {
@@ -610,6 +697,7 @@ impl RedisStore {
         leases: &[u64],
         groups: Vec<Vec<usize>>,
         now_override: Option<Micros>,
+        instance_now: Micros,
     ) -> Result<Decision, RedisError> {
         // Owned copies for the task; a refund needs each limit's keys and arguments again.
         let mut calls = Vec::with_capacity(groups.len());
@@ -623,7 +711,7 @@ impl RedisStore {
                 .iter()
                 .map(|&i| leases.get(i).copied().unwrap_or(0))
                 .collect();
-            let decide = script::decide_call(&members, &flags, &ids, now_override)?;
+            let decide = script::decide_call(&members, &flags, &ids, now_override, instance_now)?;
             let decide = (decide, flags);
             let refunds: Vec<(Algorithm, String, u64, Micros, u64)> = members
                 .iter()
@@ -887,6 +975,7 @@ impl RedisStore {
         self.inner.shut_down.store(true, Ordering::SeqCst);
         let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.pool.quit()).await;
         let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.subscriber.quit()).await;
+        quit_all(&self.inner.watchers).await;
     }
 
     /// The resets any instance sends from now on (this one's too): each the hash tag of the
@@ -901,12 +990,13 @@ impl RedisStore {
     }
 }
 
-/// Subscribes `client` to [`RESET_CHANNEL`] once it is connected, again after every
-/// reconnection (a new connection has no subscriptions), and passes every message on to `tx`,
-/// until the store is dropped or shut down.
-async fn listen_resets(
+/// Subscribes `client` to `channel` once it is connected, again after every reconnection (a
+/// new connection has no subscriptions), and passes every message on to `heard`, until the
+/// store is dropped or shut down.
+async fn listen(
     client: fred::clients::Client,
-    tx: tokio::sync::broadcast::Sender<String>,
+    channel: &'static str,
+    mut heard: impl FnMut(String) + Send + 'static,
     inner: Weak<Inner>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
@@ -919,14 +1009,14 @@ async fn listen_resets(
     };
     // The first connection may not be up yet: `reconnect_rx` reports it too.
     if client.is_connected() {
-        let _ = client.subscribe(RESET_CHANNEL).await;
+        let _ = client.subscribe(channel).await;
     }
     loop {
         tokio::select! {
             m = messages.recv() => match m {
                 Ok(m) => {
-                    if let Some(tag) = m.value.as_string() {
-                        let _ = tx.send(tag);
+                    if let Some(text) = m.value.as_string() {
+                        heard(text);
                     }
                 }
                 Err(RecvError::Lagged(_)) => {}
@@ -937,8 +1027,8 @@ async fn listen_resets(
                     if stopped() {
                         return;
                     }
-                    if let Err(e) = client.subscribe(RESET_CHANNEL).await {
-                        tracing::warn!(error = %RedisError::from(e), "subscribing to resets");
+                    if let Err(e) = client.subscribe(channel).await {
+                        tracing::warn!(error = %RedisError::from(e), channel, "subscribing");
                     }
                 }
                 Err(RecvError::Closed) => return,
@@ -948,6 +1038,48 @@ async fn listen_resets(
                     return;
                 }
             }
+        }
+    }
+}
+
+/// Moves the store's connections (pool and subscriber) to each master the sentinels announce
+/// (see [`sentinel`]), until the store is dropped or every watcher has ended.
+async fn follow_switches(
+    mut announced: tokio::sync::watch::Receiver<Option<sentinel::Address>>,
+    inner: Weak<Inner>,
+) {
+    while announced.changed().await.is_ok() {
+        let Some(to) = announced.borrow_and_update().clone() else {
+            continue;
+        };
+        let clients = {
+            let Some(inner) = inner.upgrade() else { return };
+            if inner.shut_down.load(Ordering::SeqCst) {
+                return;
+            }
+            let mut clients = inner.pool.clients().to_vec();
+            clients.push(inner.subscriber.clone());
+            clients
+        };
+        tracing::warn!(master = %to, "redis sentinel switched the master; moving to it");
+        let moved = sentinel::move_to(&clients, &to, || {
+            announced.has_changed().unwrap_or(true)
+                || inner
+                    .upgrade()
+                    .is_none_or(|i| i.shut_down.load(Ordering::SeqCst))
+        })
+        .await;
+        if moved {
+            tracing::info!(master = %to, "every redis connection is on the new master");
+            // Close the breaker now rather than at the next probe: decisions return at once.
+            if let Some(inner) = inner.upgrade() {
+                let _ = inner.ping().await;
+            }
+        } else if !announced.has_changed().unwrap_or(true) {
+            tracing::warn!(
+                master = %to,
+                "not every redis connection reached the announced master; they follow what the sentinels answer at their next reconnect"
+            );
         }
     }
 }

@@ -76,7 +76,8 @@ pub(super) const SYNC_LUA: &str = include_str!("lua/sync.lua");
 /// The same for a gcra key: adds this instance's units to the shared TAT.
 pub(super) const SYNC_GCRA_LUA: &str = include_str!("lua/sync_gcra.lua");
 
-/// Values per limit in ARGV: algo, count, period, burst, cost, max_delay.
+/// Values per limit in ARGV: algo, count, period, burst, cost, max_delay (calendar windows
+/// add their 4 bounds).
 pub(super) const ARGS_PER_LIMIT: usize = 6;
 /// ARGV values before the first limit of decide.lua: now override, TTL floor, n.
 pub(super) const DECIDE_HEADER: usize = 3;
@@ -366,10 +367,11 @@ impl Scripts {
 fn algo_code(algorithm: &Algorithm) -> i64 {
     match algorithm {
         Algorithm::Gcra(_) => 1,
+        Algorithm::FixedWindow(f) if f.calendar_windows().is_some() => 5,
         Algorithm::FixedWindow(_) => 2,
         Algorithm::SlidingWindow(_) => 3,
         Algorithm::SlidingLog(_) => 4,
-        Algorithm::Concurrency(_) => 5,
+        Algorithm::Concurrency(_) => 6,
     }
 }
 
@@ -439,9 +441,16 @@ pub fn check_params(algorithm: &Algorithm, cost: u64, max_delay: Micros) -> Resu
     Ok(())
 }
 
-/// Appends one limit's 6 ARGV values; `lease` is a concurrency limit's lease id (in the
-/// `burst` place, which concurrency has no use for), ignored for the other algorithms.
-fn push_limit(args: &mut Vec<i64>, limit: &GlobalLimit<'_>, lease: u64) -> Result<(), RedisError> {
+/// Appends one limit's 6 ARGV values, and for calendar windows the 4 bounds around
+/// `instance_now` (this instance's estimate of Redis's clock), from which the script takes the
+/// window that holds its own `TIME`. `lease` is a concurrency limit's lease id (in the `burst`
+/// place, which concurrency has no use for), ignored for the other algorithms.
+fn push_limit(
+    args: &mut Vec<i64>,
+    limit: &GlobalLimit<'_>,
+    lease: u64,
+    instance_now: Micros,
+) -> Result<(), RedisError> {
     check_params(limit.algorithm, limit.cost, limit.max_delay).map_err(RedisError::Script)?;
     let q = limit.algorithm.quota();
     let burst = if limit.algorithm.is_concurrency() {
@@ -458,7 +467,25 @@ fn push_limit(args: &mut Vec<i64>, limit: &GlobalLimit<'_>, lease: u64) -> Resul
         limit.cost as i64,
         limit.max_delay as i64,
     ]);
+    if let Algorithm::FixedWindow(f) = limit.algorithm
+        && let Some(calendar) = f.calendar_windows()
+    {
+        let b = calendar.bounds(instance_now);
+        for bound in [b.prev, b.start, b.end, b.next] {
+            args.push(now_arg(Some(bound))?);
+        }
+    }
     Ok(())
+}
+
+/// This instance's estimate of Redis's clock: the wall clock (both are NTP's, as a rule), or
+/// the override a test gives Redis.
+pub(super) fn instance_now(now_override: Option<Micros>) -> Micros {
+    now_override.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+    })
 }
 
 fn now_arg(now_override: Option<Micros>) -> Result<i64, RedisError> {
@@ -482,12 +509,13 @@ fn ttl_floor_ms(now_override: Option<Micros>) -> i64 {
 
 /// KEYS and ARGV of one decide.lua call over `limits`; `shadow[i]` (missing: false) marks a
 /// shadow limit, whose rejection does not stop the others; `leases[i]` (missing: 0) is a
-/// concurrency limit's lease id.
+/// concurrency limit's lease id. Calendar windows are sent around `instance_now`.
 pub(super) fn decide_call(
     limits: &[&GlobalLimit<'_>],
     shadow: &[bool],
     leases: &[u64],
     now_override: Option<Micros>,
+    instance_now: Micros,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let mut keys = Vec::with_capacity(limits.len() * 2);
     let mut args = Vec::with_capacity(DECIDE_HEADER + limits.len() * (ARGS_PER_LIMIT + 1));
@@ -498,7 +526,12 @@ pub(super) fn decide_call(
     ]);
     for (i, limit) in limits.iter().enumerate() {
         keys.extend(redis_keys(limit.key, limit.algorithm));
-        push_limit(&mut args, limit, leases.get(i).copied().unwrap_or(0))?;
+        push_limit(
+            &mut args,
+            limit,
+            leases.get(i).copied().unwrap_or(0),
+            instance_now,
+        )?;
         args.push(i64::from(shadow.get(i).copied().unwrap_or(false)));
     }
     Ok((keys, args))
@@ -517,7 +550,8 @@ pub(super) fn refund_call(
         ttl_floor_ms(now_override),
         now_arg(Some(committed_at))?,
     ];
-    push_limit(&mut args, limit, lease)?;
+    // Around the commit's own instant (Redis's clock): the window its units were taken in.
+    push_limit(&mut args, limit, lease, committed_at)?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 
@@ -527,7 +561,7 @@ pub(super) fn peek_call(
     now_override: Option<Micros>,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let mut args = vec![now_arg(now_override)?];
-    push_limit(&mut args, limit, 0)?;
+    push_limit(&mut args, limit, 0, instance_now(now_override))?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 
@@ -570,7 +604,7 @@ pub(super) fn settle_call(
         now_arg(Some(at))?,
         delta.clamp(-bound, bound),
     ];
-    push_limit(&mut args, limit, 0)?;
+    push_limit(&mut args, limit, 0, at)?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 
@@ -809,7 +843,7 @@ mod tests {
             cost: 1,
             max_delay: 0,
         };
-        let (keys, args) = decide_call(&[&a, &b], &[false, true], &[], Some(42)).unwrap();
+        let (keys, args) = decide_call(&[&a, &b], &[false, true], &[], Some(42), 42).unwrap();
         assert_eq!(
             keys,
             ["tg:{r/a/x}:gcra", "tg:{r/b/x}:log", "tg:{r/b/x}:log:meta"]
@@ -820,7 +854,10 @@ mod tests {
                 42, 86_400_000, 2, 1, 10, 1_000_000, 5, 2, 7, 0, 4, 3, 1000, 3, 1, 0, 1
             ]
         );
-        assert_eq!(decide_call(&[&a], &[], &[], None).unwrap().1[..2], [-1, 1]);
+        assert_eq!(
+            decide_call(&[&a], &[], &[], None, 0).unwrap().1[..2],
+            [-1, 1]
+        );
 
         let reply = [0, 99, 1, 3, 400, 0, 0, 0, 1000, 250];
         let d = decode_decide(&reply, 2, &[]).unwrap();

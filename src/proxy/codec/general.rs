@@ -59,7 +59,9 @@ pub(crate) fn serve_one<I>(
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let svc = service_fn(move |req| serve(gateway.clone(), req, peer));
+    // Boxed: hyper spawns a task per HTTP/2 stream holding this future, and moving the whole
+    // exchange's state into the task (twice, by value) was a tenth of a stream's instructions.
+    let svc = service_fn(move |req| Box::pin(serve(gateway.clone(), req, peer)));
     builder.serve_connection_with_upgrades(io, svc).into_owned()
 }
 
@@ -86,10 +88,88 @@ pub(crate) async fn serve(
     gateway: Arc<Gateway>,
     req: Request<Incoming>,
     peer: SocketAddr,
-) -> Result<Response<Served>, Infallible> {
+) -> Result<Response<Sent>, Infallible> {
+    let h2 = req.version() == http::Version::HTTP_2;
     let mut resp = handle(&gateway, req, peer).await;
     let at = resp.extensions_mut().remove::<BodyDeadline>();
-    Ok(resp.map(|body| Served::new(body, at)))
+    let request_id = resp.headers().get(&request_id::X_REQUEST_ID).cloned();
+    Ok(resp.map(|body| Sent {
+        body: Served::new(body, at),
+        panicked: false,
+        gateway,
+        peer,
+        request_id,
+        h2,
+    }))
+}
+
+/// The response body hyper sends, with a panic while producing it caught (`crate::panics`):
+/// the head has gone out, so the body ends in an error, which hyper turns into a closed
+/// connection (HTTP/1.1) or a reset of this stream alone (HTTP/2), never a body that looks
+/// complete. On HTTP/2 this is the only place such a panic could be caught: hyper polls each
+/// stream's service and body in a task of its own.
+pub(crate) struct Sent {
+    body: Served,
+    panicked: bool,
+    gateway: Arc<Gateway>,
+    peer: SocketAddr,
+    request_id: Option<HeaderValue>,
+    h2: bool,
+}
+
+impl http_body::Body for Sent {
+    type Data = Bytes;
+    type Error = crate::proxy::deadline::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if !this.panicked {
+            let body = &mut this.body;
+            let polled = crate::panics::catch_now(|| {
+                let polled = std::pin::Pin::new(body).poll_frame(cx);
+                #[cfg(feature = "panic-injection")]
+                if let std::task::Poll::Ready(Some(Ok(f))) = &polled
+                    && let Some(data) = f.data_ref()
+                {
+                    crate::panics::inject::body(data);
+                }
+                polled
+            });
+            match polled {
+                Ok(p) => return p,
+                Err(p) => {
+                    this.panicked = true;
+                    let then = if this.h2 {
+                        "response cut: stream reset"
+                    } else {
+                        "response cut: connection closed"
+                    };
+                    let id = this.request_id.as_ref().map_or(&b"-"[..], |v| v.as_bytes());
+                    let metrics = &this.gateway.metrics;
+                    crate::proxy::request_panicked(
+                        metrics,
+                        this.peer,
+                        None,
+                        request_id::LogId(id),
+                        then,
+                        &p,
+                    );
+                }
+            }
+        }
+        std::task::Poll::Ready(Some(Err("a panic cut the response body".into())))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        !self.panicked && self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 async fn handle(gateway: &Gateway, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
@@ -98,7 +178,25 @@ async fn handle(gateway: &Gateway, mut req: Request<Incoming>, peer: SocketAddr)
     let id = request_id::ensure(req.headers_mut());
     let head = req.method() == http::Method::HEAD;
     let method = req.method().clone();
-    let mut resp = match exchange(gateway, &mut end, req, peer, &id).await {
+    let h2 = req.version() == http::Version::HTTP_2;
+    let caught = {
+        let phases = std::pin::pin!(exchange(gateway, &mut end, req, peer, &id));
+        crate::panics::catch_pinned(phases).await
+    };
+    let exchanged = match caught {
+        Ok(r) => r,
+        Err(p) => {
+            let then = if h2 {
+                "answered 500 on its stream"
+            } else {
+                "answered 500, connection closed"
+            };
+            let id = request_id::LogId(id.as_bytes());
+            crate::proxy::request_panicked(&gateway.metrics, peer, end.route(), id, then, &p);
+            Err(ProxyError::Panicked)
+        }
+    };
+    let mut resp = match exchanged {
         Ok(resp) => resp,
         Err(e) => {
             let mut resp = response::answer(&e, end.route())
@@ -106,9 +204,16 @@ async fn handle(gateway: &Gateway, mut req: Request<Incoming>, peer: SocketAddr)
                 .unwrap_or_else(|| Response::new(response::full(Bytes::new())));
             resp.headers_mut()
                 .insert(&request_id::X_REQUEST_ID, id.clone());
+            if h2 {
+                // The stream is what ends on HTTP/2; `Connection` is not an HTTP/2 field.
+                resp.headers_mut().remove(http::header::CONNECTION);
+            }
             resp
         }
     };
+    if h2 {
+        headers::never_index_varying(resp.headers_mut());
+    }
     let status = resp.status().as_u16();
     end.answered(status);
     end.response_head(status, resp.headers());
@@ -209,12 +314,12 @@ struct Guarded {
 
 impl http_body::Body for Guarded {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = crate::connector::BoxError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, crate::connector::BoxError>>> {
         let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
         let over = match &polled {
             std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => true,

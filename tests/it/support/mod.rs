@@ -10,6 +10,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use rustls::pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::oneshot;
 use tollgate::app::{App, Options, Shared};
 use tollgate::limit::clock::{ManualClock, SharedClock, TokioClock};
@@ -20,15 +22,72 @@ pub struct Gateway {
     pub admin: SocketAddr,
     pub shared: Arc<Shared>,
     pub config_path: PathBuf,
+    /// The test CA that signed the listener's certificate, when it serves TLS
+    /// ([`Gateway::start_tls`]).
+    pub tls: Option<CertificateDer<'static>>,
     stop: Option<oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<()>>,
     _dir: TempDir,
 }
 
+/// A client's byte stream to the gateway: TCP, or TLS over it.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
 impl Gateway {
     /// Starts tollgate on `yaml` (listen/admin are forced to 127.0.0.1:0) with the real clock.
     pub async fn start(yaml: &str) -> Self {
         Self::start_with_clock(yaml, Arc::new(TokioClock::new())).await
+    }
+
+    /// [`Gateway::start`] with the listener on TLS: a fresh test CA and certificate (for
+    /// `localhost` and `127.0.0.1`) written next to the config, `server.tls` added to `yaml`
+    /// (which must have a `server:` section). [`Gateway::connect`], [`Gateway::url`] and
+    /// [`Gateway::fetcher`] speak TLS to it.
+    pub async fn start_tls(yaml: &str) -> Self {
+        let pki = tls::Pki::new();
+        let dir = TempDir::new();
+        pki.write(&dir.path);
+        assert!(yaml.contains("server:\n"), "no server section: {yaml}");
+        let yaml = yaml.replacen(
+            "server:\n",
+            "server:\n  tls:\n    cert: cert.pem\n    key: key.pem\n",
+            1,
+        );
+        let mut g = Self::start_in(dir, &yaml, Arc::new(TokioClock::new())).await;
+        g.tls = Some(pki.ca_der.clone());
+        g
+    }
+
+    /// [`Gateway::start_tls`] when `tls`, else [`Gateway::start`].
+    pub async fn start_on(yaml: &str, tls: bool) -> Self {
+        if tls {
+            Self::start_tls(yaml).await
+        } else {
+            Self::start(yaml).await
+        }
+    }
+
+    /// A new connection to the proxy listener: TLS (ALPN `http/1.1`) when it serves TLS.
+    pub async fn connect(&self) -> Box<dyn Stream> {
+        let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        match &self.tls {
+            None => Box::new(tcp),
+            Some(ca) => Box::new(tls::handshake(tcp, ca, &[b"http/1.1"]).await),
+        }
+    }
+
+    /// An HTTP client for this gateway (HTTPS when its listener serves TLS).
+    pub fn fetcher(&self) -> Fetcher {
+        match &self.tls {
+            None => Fetcher::Plain(client(), self.url("")),
+            Some(ca) => Fetcher::Tls(Box::new(tls::https_client(ca, false)), self.url("")),
+        }
+    }
+
+    /// GET `path` with a [`Gateway::fetcher`].
+    pub async fn get(&self, path: &str) -> Fetched {
+        self.fetcher().get(path).await
     }
 
     /// Starts with a manual clock; returns it so the test moves time instead of sleeping.
@@ -39,7 +98,11 @@ impl Gateway {
     }
 
     pub async fn start_with_clock(yaml: &str, clock: SharedClock) -> Self {
-        let dir = TempDir::new();
+        Self::start_in(TempDir::new(), yaml, clock).await
+    }
+
+    /// Starts with the config written to `dir` (kept for the gateway's life).
+    async fn start_in(dir: TempDir, yaml: &str, clock: SharedClock) -> Self {
         let path = dir.path.join("routes.yaml");
         std::fs::write(&path, yaml).unwrap();
         let cfg = tollgate::config::parse_str(&path, yaml)
@@ -67,14 +130,20 @@ impl Gateway {
             admin,
             shared,
             config_path: path,
+            tls: None,
             stop: Some(tx),
             task: Some(task),
             _dir: dir,
         }
     }
 
+    /// The URL of `path` on the proxy listener: `https://localhost:PORT` (the certificate's
+    /// name) when it serves TLS.
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{}", self.addr, path)
+        match self.tls {
+            None => format!("http://{}{}", self.addr, path),
+            Some(_) => format!("https://localhost:{}{}", self.addr.port(), path),
+        }
     }
 
     pub fn admin_url(&self, path: &str) -> String {
@@ -161,4 +230,79 @@ pub fn closed_addr() -> std::net::SocketAddr {
 
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// An HTTP client for one gateway, over TCP or TLS; cheap to clone into a task.
+#[derive(Clone)]
+pub enum Fetcher {
+    Plain(reqwest::Client, String),
+    Tls(Box<tls::HttpsClient>, String),
+}
+
+/// A response read whole: its body, or why it could not be read to its end.
+#[derive(Debug)]
+pub struct Fetched {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Result<bytes::Bytes, String>,
+}
+
+impl Fetched {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(self.body.as_ref().expect("a whole body")).into_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        let text = self.text();
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    }
+}
+
+impl Fetcher {
+    /// GET `path`; panics when no response head comes.
+    pub async fn get(&self, path: &str) -> Fetched {
+        self.send(http::Method::GET, path, bytes::Bytes::new())
+            .await
+    }
+
+    /// `method` `path` with `body`; panics when no response head comes.
+    pub async fn send(&self, method: http::Method, path: &str, body: bytes::Bytes) -> Fetched {
+        match self {
+            Fetcher::Plain(c, base) => {
+                let r = c
+                    .request(method, format!("{base}{path}"))
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                let (status, headers) = (r.status().as_u16(), r.headers().clone());
+                let body = r.bytes().await.map_err(|e| e.to_string());
+                Fetched {
+                    status,
+                    headers,
+                    body,
+                }
+            }
+            Fetcher::Tls(c, base) => {
+                use http_body_util::BodyExt;
+                let req = http::Request::builder()
+                    .method(method)
+                    .uri(format!("{base}{path}"))
+                    .body(http_body_util::Full::new(body))
+                    .unwrap();
+                let r = c.request(req).await.unwrap();
+                let (parts, body) = r.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .map_err(|e| format!("{e:?}"));
+                Fetched {
+                    status: parts.status.as_u16(),
+                    headers: parts.headers,
+                    body,
+                }
+            }
+        }
+    }
 }

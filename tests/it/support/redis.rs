@@ -1,5 +1,6 @@
-//! Real `redis-server` processes for integration tests: a single server and a 3-primary
-//! cluster, each on free loopback ports, killed on drop.
+//! Real `redis-server` processes for integration tests: a single server, a 3-primary cluster,
+//! and a master with a replica behind Redis Sentinel, each on free loopback ports, killed on
+//! drop.
 //!
 //! Only `std`: every test binary can `#[path]`-include this file without extra dev-deps.
 //! A server kept in a `static` (shared by the tests of one binary) is never dropped, so each
@@ -40,6 +41,42 @@ pub struct RedisServer {
     dir: PathBuf,
     child: Option<Child>,
     extra: Vec<String>,
+    /// `--requirepass`, which [`RedisServer::cli`] authenticates with.
+    password: Option<String>,
+    /// `--tls-port`, beside the plain port the tests' `redis-cli` uses.
+    tls_port: Option<u16>,
+}
+
+/// PEM files for a Redis speaking TLS: its certificate chain and key, and the CA that signed
+/// them (which also verifies the TLS connections a replica or a sentinel makes).
+#[derive(Clone, Debug)]
+pub struct RedisTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl RedisTls {
+    /// `redis-server` arguments for a TLS port (clients need no certificate); replication
+    /// goes over TLS too.
+    fn args(&self, tls_port: u16) -> Vec<String> {
+        [
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            &self.cert.display().to_string(),
+            "--tls-key-file",
+            &self.key.display().to_string(),
+            "--tls-ca-cert-file",
+            &self.ca.display().to_string(),
+            "--tls-auth-clients",
+            "no",
+            "--tls-replication",
+            "yes",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
 }
 
 impl RedisServer {
@@ -51,6 +88,14 @@ impl RedisServer {
     /// Like [`RedisServer::start`] with extra `--name value` arguments for `redis-server`.
     pub fn start_with(extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let value_of = |flag: &str| {
+            extra
+                .windows(2)
+                .find(|w| w[0] == flag)
+                .map(|w| w[1].clone())
+        };
+        let password = value_of("--requirepass");
+        let tls_port = value_of("--tls-port").and_then(|p| p.parse().ok());
         // A port picked free can be taken by another test binary before redis binds it:
         // try a few ports rather than failing the test.
         let mut last_error = String::new();
@@ -64,6 +109,8 @@ impl RedisServer {
                         dir,
                         child: Some(child),
                         extra,
+                        password,
+                        tls_port,
                     };
                 }
                 Err(e) => {
@@ -77,6 +124,29 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Like [`RedisServer::start_with`], also listening with TLS on a port of its own.
+    pub fn start_tls(tls: &RedisTls, extra: &[&str]) -> Self {
+        let mut args = tls.args(free_port());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::start_with(&args)
+    }
+
+    /// What the server logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
+    }
+
+    /// The TLS port, when the server has one.
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// The port replicas and sentinels know the server by: its TLS port when it has one.
+    pub fn announced_port(&self) -> u16 {
+        self.tls_port.unwrap_or(self.port)
     }
 
     pub fn url(&self) -> String {
@@ -136,7 +206,7 @@ impl RedisServer {
 
     /// Runs `redis-cli` against this server and returns its stdout, trimmed.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, false, args)
+        cli_as(self.port, self.password.as_deref(), args)
     }
 }
 
@@ -252,6 +322,337 @@ impl Drop for RedisCluster {
             let _ = node.child.wait();
             let _ = std::fs::remove_dir_all(&node.dir);
         }
+    }
+}
+
+/// A master, one replica of it and `n` sentinels watching them (quorum 1), each on a free port,
+/// killed on drop. Failure is declared after [`RedisSentinel::DOWN_AFTER`] without an answer, so
+/// a killed master is replaced within about two seconds.
+#[derive(Debug)]
+pub struct RedisSentinel {
+    name: String,
+    /// The sentinels' `requirepass`.
+    sentinel_password: Option<String>,
+    /// The data servers by port: the first master and its replica, whatever their roles now.
+    servers: Vec<RedisServer>,
+    sentinels: Vec<SentinelProcess>,
+}
+
+#[derive(Debug)]
+struct SentinelProcess {
+    port: u16,
+    /// Where clients reach it over TLS (the plain `port` stays, for the tests' `redis-cli`).
+    tls_port: Option<u16>,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl RedisSentinel {
+    /// `down-after-milliseconds`: how long a master may stay silent before it is declared down.
+    pub const DOWN_AFTER: Duration = Duration::from_millis(800);
+
+    /// A master named `name`, its replica and one sentinel, ready: the sentinel knows the
+    /// replica and the replica is in sync, so a failover can start at once.
+    pub fn start(name: &str) -> Self {
+        Self::start_with_sentinels(name, 1)
+    }
+
+    /// As [`RedisSentinel::start`] with `n` sentinels, which also know each other.
+    pub fn start_with_sentinels(name: &str, n: usize) -> Self {
+        Self::start_with(name, n, None, None, None)
+    }
+
+    /// As [`RedisSentinel::start`], every process also speaking TLS (the data servers replicate
+    /// over it, the sentinel watches them over it and announces their TLS ports).
+    pub fn start_tls(name: &str, tls: &RedisTls) -> Self {
+        Self::start_with(name, 1, None, None, Some(tls))
+    }
+
+    /// As [`RedisSentinel::start`], with `requirepass` on the master and replica
+    /// (`master_password`) and on the sentinel (`sentinel_password`); the sentinel
+    /// authenticates to the servers with theirs (`sentinel auth-pass`).
+    pub fn start_with_auth(name: &str, master_password: &str, sentinel_password: &str) -> Self {
+        Self::start_with(
+            name,
+            1,
+            Some(master_password),
+            Some(sentinel_password),
+            None,
+        )
+    }
+
+    fn start_with(
+        name: &str,
+        n: usize,
+        master_password: Option<&str>,
+        sentinel_password: Option<&str>,
+        tls: Option<&RedisTls>,
+    ) -> Self {
+        // `masterauth` too: a demoted master syncs from the new one with it. A replica syncs
+        // at once, not after the default 5 s wait for more replicas to share the transfer.
+        let mut args = vec!["--repl-diskless-sync-delay", "0"];
+        if let Some(pw) = master_password {
+            args.extend(["--requirepass", pw, "--masterauth", pw]);
+        }
+        let start = |extra: &[&str]| match tls {
+            Some(tls) => RedisServer::start_tls(tls, extra),
+            None => RedisServer::start_with(extra),
+        };
+        let master = start(&args);
+        let master_port = master.announced_port().to_string();
+        let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
+        replica_args.extend(&args);
+        let replica = start(&replica_args);
+        let (master_port, replica_port) = (master.announced_port(), replica.announced_port());
+        let mut conf = String::new();
+        if let Some(pw) = master_password {
+            conf += &format!("sentinel auth-pass {name} {pw}\n");
+        }
+        if let Some(pw) = sentinel_password {
+            conf += &format!("requirepass {pw}\n");
+        }
+        let sentinels = (0..n)
+            .map(|_| {
+                let tls = tls.map(|tls| (free_port(), tls));
+                let mut conf = conf.clone();
+                if let Some((tls_port, tls)) = tls {
+                    // The same settings as the servers' arguments, as config lines.
+                    for pair in tls.args(tls_port).chunks(2) {
+                        conf += &format!("{} {}\n", pair[0].trim_start_matches("--"), pair[1]);
+                    }
+                }
+                start_sentinel(name, master_port, &conf, tls.map(|(p, _)| p))
+            })
+            .collect();
+        let setup = Self {
+            name: name.to_string(),
+            sentinel_password: sentinel_password.map(str::to_owned),
+            sentinels,
+            servers: vec![master, replica],
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let in_sync = setup
+                .server(replica_port)
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up");
+            let known = setup.sentinels.iter().all(|s| {
+                // Sentinel knows the replica by the port it announces (its TLS one, with TLS).
+                let replicas = setup.sentinel_cli(s.port, &["SENTINEL", "REPLICAS", name]);
+                let peers = setup.sentinel_cli(s.port, &["SENTINEL", "SENTINELS", name]);
+                replicas.contains(&replica_port.to_string())
+                    && !replicas.contains("disconnected")
+                    && !replicas.contains("s_down")
+                    && peers.matches("127.0.0.1").count() == n - 1
+            });
+            if in_sync && known {
+                return setup;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sentinel setup not ready: replica in sync {in_sync}, sentinels know all {known}"
+            );
+            sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn sentinel_cli(&self, port: u16, args: &[&str]) -> String {
+        cli_as(port, self.sentinel_password.as_deref(), args)
+    }
+
+    /// The name the sentinels monitor the master under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// URLs of the sentinels: `rediss://` to their TLS ports when they have them.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| match s.tls_port {
+                Some(port) => format!("rediss://127.0.0.1:{port}"),
+                None => format!("redis://127.0.0.1:{}", s.port),
+            })
+            .collect()
+    }
+
+    /// The `redis` section's target, as YAML: `sentinel: {master: .., nodes: [..]}`.
+    pub fn yaml(&self) -> String {
+        format!(
+            "sentinel: {{ master: {}, nodes: [{}] }}",
+            self.name,
+            self.sentinel_urls().join(", ")
+        )
+    }
+
+    /// The master's port as the first sentinel reports it now.
+    pub fn master_port(&self) -> u16 {
+        let answer = self.sentinel_cli(
+            self.sentinels[0].port,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name],
+        );
+        answer
+            .lines()
+            .nth(1)
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("sentinel does not name the master: {answer:?}"))
+    }
+
+    /// The master's port as each sentinel reports it now (`None`: no answer).
+    pub fn named_masters(&self) -> Vec<Option<u16>> {
+        self.sentinels
+            .iter()
+            .map(|s| {
+                self.sentinel_cli(s.port, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name])
+                    .lines()
+                    .nth(1)
+                    .and_then(|p| p.trim().parse().ok())
+            })
+            .collect()
+    }
+
+    /// Every process's log, for a failure message: the sentinels', then the data servers'.
+    pub fn logs(&self) -> String {
+        let sentinels = self.sentinels.iter().map(|s| {
+            let log = std::fs::read_to_string(s.dir.join("sentinel.log")).unwrap_or_default();
+            format!("--- sentinel {} ---\n{log}", s.port)
+        });
+        let servers = self
+            .servers
+            .iter()
+            .map(|s| format!("--- server {} ---\n{}", s.port(), s.log()));
+        sentinels.chain(servers).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The data server on `port`, plain or TLS (the first master or its replica).
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .find(|s| s.port() == port || s.tls_port() == Some(port))
+            .unwrap_or_else(|| panic!("no server on port {port}"))
+    }
+
+    /// The port of the other data server: the replica while no failover happened.
+    pub fn replica_port(&self) -> u16 {
+        let master = self.master_port();
+        self.servers
+            .iter()
+            .map(RedisServer::announced_port)
+            .find(|p| *p != master)
+            .expect("two data servers")
+    }
+
+    /// Kills the current master abruptly (SIGKILL); returns its port.
+    pub fn kill_master(&mut self) -> u16 {
+        let port = self.master_port();
+        self.servers
+            .iter_mut()
+            .find(|s| s.announced_port() == port)
+            .unwrap_or_else(|| panic!("no server on port {port}"))
+            .stop();
+        port
+    }
+
+    /// `SENTINEL FAILOVER`: the replica is promoted while the master is alive.
+    pub fn failover(&self) {
+        let answer = self.sentinel_cli(
+            self.sentinels[0].port,
+            &["SENTINEL", "FAILOVER", &self.name],
+        );
+        assert_eq!(answer, "OK", "SENTINEL FAILOVER");
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        for s in &mut self.sentinels {
+            let _ = s.child.kill();
+            let _ = s.child.wait();
+            let _ = std::fs::remove_dir_all(&s.dir);
+        }
+    }
+}
+
+/// A sentinel monitoring `name` at `master_port`, with `conf` appended to its configuration.
+fn start_sentinel(
+    name: &str,
+    master_port: u16,
+    conf: &str,
+    tls_port: Option<u16>,
+) -> SentinelProcess {
+    let mut last_error = String::new();
+    for _ in 0..5 {
+        let port = free_port();
+        let dir = sentinel_dir(port);
+        match spawn_sentinel(port, &dir, name, master_port, conf) {
+            Ok(child) => {
+                return SentinelProcess {
+                    port,
+                    tls_port,
+                    dir,
+                    child,
+                };
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                last_error = e;
+            }
+        }
+    }
+    panic!("could not start a sentinel: {last_error}");
+}
+
+/// `redis-server sentinel.conf --sentinel`: Sentinel reads its monitors from a file it may
+/// rewrite, so each sentinel gets one of its own.
+fn spawn_sentinel(
+    port: u16,
+    dir: &Path,
+    name: &str,
+    master_port: u16,
+    extra_conf: &str,
+) -> Result<Child, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let log = dir.join("sentinel.log");
+    let conf = dir.join("sentinel.conf");
+    let down_after = RedisSentinel::DOWN_AFTER.as_millis();
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n\
+             sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
+             sentinel down-after-milliseconds {name} {down_after}\n\
+             sentinel failover-timeout {name} 4000\n{extra_conf}",
+            dir = dir.display(),
+            log = log.display(),
+        ),
+    )
+    .map_err(|e| format!("writing {}: {e}", conf.display()))?;
+    let mut child = Command::new(redis_binary("redis-server"))
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawning redis-server --sentinel: {e}"))?;
+    watchdog(child.id(), dir);
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if ping(port) {
+            return Ok(child);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(format!(
+                "sentinel exited with {status} on port {port}: {log}"
+            ));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("sentinel on port {port} did not answer PING"));
+        }
+        sleep(Duration::from_millis(10));
     }
 }
 
@@ -391,7 +792,7 @@ fn watchdog(pid: u32, dir: &Path) {
         .spawn();
 }
 
-/// One RESP PING over a fresh connection.
+/// One RESP PING over a fresh connection; a server that asks for a password first is up too.
 fn ping(port: u16) -> bool {
     let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else {
         return false;
@@ -401,7 +802,7 @@ fn ping(port: u16) -> bool {
         return false;
     }
     let mut buf = [0u8; 7];
-    matches!(stream.read_exact(&mut buf), Ok(()) if &buf == b"+PONG\r\n")
+    matches!(stream.read_exact(&mut buf), Ok(()) if &buf == b"+PONG\r\n" || &buf == b"-NOAUTH")
 }
 
 fn run_cli(port: u16, follow: bool, args: &[&str]) -> std::process::Output {
@@ -421,6 +822,21 @@ fn cli(port: u16, follow: bool, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// `redis-cli` against one server, authenticated with `password` when there is one.
+fn cli_as(port: u16, password: Option<&str>, args: &[&str]) -> String {
+    let Some(password) = password else {
+        return cli(port, false, args);
+    };
+    let out = Command::new(redis_binary("redis-cli"))
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .env("REDISCLI_AUTH", password)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running redis-cli: {e}"));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 fn free_port() -> u16 {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|l| l.local_addr())
@@ -429,8 +845,24 @@ fn free_port() -> u16 {
 }
 
 fn temp_dir(kind: &str, port: u16) -> PathBuf {
+    temp_dir_in(&std::env::temp_dir(), kind, port)
+}
+
+/// A sentinel's directory: in memory (`/dev/shm`) where there is one. A sentinel saves its
+/// config with `fsync` as a failover starts; on a disk busy with builds that took seconds,
+/// long enough for the sentinel to think its clock jumped and stop acting for 30 s (TILT mode).
+fn sentinel_dir(port: u16) -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        temp_dir_in(shm, "sentinel", port)
+    } else {
+        temp_dir("sentinel", port)
+    }
+}
+
+fn temp_dir_in(base: &Path, kind: &str, port: u16) -> PathBuf {
     static SEQ: AtomicU32 = AtomicU32::new(0);
-    std::env::temp_dir().join(format!(
+    base.join(format!(
         "tollgate-redis-{kind}-{}-{port}-{}",
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)

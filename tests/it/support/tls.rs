@@ -269,13 +269,7 @@ pub type HttpsClient =
 
 /// A client that trusts only `ca` and offers ALPN `h2` + `http/1.1` (`h2: true`) or no ALPN.
 pub fn https_client(ca: &CertificateDer<'static>, h2: bool) -> HttpsClient {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(ca.clone()).unwrap();
-    let cfg = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let cfg = client_config(ca);
     let b = HttpsConnectorBuilder::new()
         .with_tls_config(cfg)
         .https_only()
@@ -298,4 +292,77 @@ pub async fn get(client: &HttpsClient, url: &str) -> (u16, hyper::Version, Strin
     let version = resp.version();
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     (status, version, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// A TLS handshake as a client that trusts only `ca`, offering `alpn` (none when empty), for
+/// `localhost`.
+pub async fn handshake(
+    tcp: tokio::net::TcpStream,
+    ca: &CertificateDer<'static>,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let mut cfg = client_config(ca);
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .expect("TLS handshake with the gateway")
+}
+
+/// A client config that trusts only `ca`, no ALPN; TLS 1.3 and 1.2, rustls' defaults
+/// otherwise (AES-256-GCM listed first, session resumption on).
+pub fn client_config(ca: &CertificateDer<'static>) -> rustls::ClientConfig {
+    client_config_for(ca, rustls::DEFAULT_VERSIONS)
+}
+
+/// [`client_config`] for these protocol versions only.
+pub fn client_config_for(
+    ca: &CertificateDer<'static>,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone()).unwrap();
+    rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(versions)
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth()
+}
+
+/// What one request on a TLS connection of its own negotiated, and the response.
+#[derive(Debug)]
+pub struct Negotiated {
+    pub kind: rustls::HandshakeKind,
+    pub version: rustls::ProtocolVersion,
+    pub suite: rustls::CipherSuite,
+    /// None for a resumed TLS 1.2 session (no key exchange).
+    pub group: Option<rustls::NamedGroup>,
+    pub alpn: Option<Vec<u8>>,
+    /// The whole response, as text.
+    pub response: String,
+}
+
+/// GET `path` on a new TLS connection to `addr` made with `cfg` (server name `localhost`),
+/// asking the server to close after it; reads until the close, so that session tickets sent
+/// after the handshake reach `cfg`'s session store.
+pub async fn tls_get(addr: SocketAddr, cfg: Arc<rustls::ClientConfig>, path: &str) -> Negotiated {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(cfg)
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .expect("TLS handshake with the gateway");
+    let req = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    tls.read_to_end(&mut got).await.unwrap();
+    let (_, c) = tls.get_ref();
+    Negotiated {
+        kind: c.handshake_kind().unwrap(),
+        version: c.protocol_version().unwrap(),
+        suite: c.negotiated_cipher_suite().unwrap().suite(),
+        group: c.negotiated_key_exchange_group().map(|g| g.name()),
+        alpn: c.alpn_protocol().map(<[u8]>::to_vec),
+        response: String::from_utf8_lossy(&got).into_owned(),
+    }
 }

@@ -5,9 +5,9 @@
 //! N ms first; `/stream?bytes=N` streams N bytes back in 64 KiB chunks; `/first-chunk` answers as
 //! soon as the first body chunk arrived (proves the gateway streams request bodies);
 //! `/hop` answers with hop-by-hop headers that the gateway must remove; `/late-body?ms=N` sends
-//! its head at once and its body N ms later; `/usage?n=TEXT&status=S` answers status S
-//! (default 200) with `x-usage: TEXT` (none without `n`), as an upstream reporting a request's
-//! true cost does.
+//! its head at once and its body N ms later (`&say=TEXT`: TEXT as the body, else `late`);
+//! `/usage?n=TEXT&status=S` answers status S (default 200) with `x-usage: TEXT` (none without
+//! `n`), as an upstream reporting a request's true cost does.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -145,9 +145,16 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
     if path.starts_with("/late-body") {
         // The head at once, the body `ms` later.
         let ms = query(&req, "ms").unwrap_or(100);
+        let say = req
+            .uri()
+            .query()
+            .and_then(|q| q.split('&').find_map(|p| p.strip_prefix("say=")))
+            .map_or(Bytes::from_static(b"late\n"), |t| {
+                Bytes::copy_from_slice(t.as_bytes())
+            });
         let stream = futures_util::stream::once(async move {
             tokio::time::sleep(Duration::from_millis(ms)).await;
-            Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"late\n")))
+            Ok::<_, Infallible>(Frame::data(say))
         });
         return Ok(Response::new(BodyExt::boxed(StreamBody::new(stream))));
     }

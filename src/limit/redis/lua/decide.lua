@@ -13,8 +13,9 @@
 --        [2] minimum TTL in ms for written keys (1 in production; tests with an overridden
 --            clock raise it, since their timeline does not follow the TTL's real clock)
 --        [3] n, the number of limits
---        then n × 7: algo, count, period, burst, cost, max_delay, shadow (1: a shadow limit,
---        whose rejection does not stop the others; 0 otherwise)
+--        then per limit: algo, count, period, burst, cost, max_delay, for algo 5 the four
+--        calendar window bounds (see lib.lua), and shadow (1: a shadow limit, whose rejection
+--        does not stop the others; 0 otherwise)
 -- Returns a flat integer array of 2 + 4n values:
 --        all_admitted (1|0: every enforced limit admitted), now (µs, the instant the decision was taken at),
 --        then per limit: admitted (1|0), remaining, reset_after (µs),

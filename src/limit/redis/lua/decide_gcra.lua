@@ -9,6 +9,8 @@
 do
   local n = tonumber(ARGV[3]) or 0
   local gcra_only = n > 0 and #KEYS == n
+  -- Strides of 7 hold up to the first limit that is not gcra, whose code is read where it is:
+  -- a calendar limit's longer arguments (lib.lua) come after its code.
   for i = 0, n - 1 do
     if ARGV[4 + i * 7] ~= '1' then
       gcra_only = false

@@ -1,4 +1,4 @@
--- lib.lua: the four algorithms on Redis keys. Not a script by itself: script.rs sends
+-- lib.lua: the algorithms on Redis keys. Not a script by itself: script.rs sends
 -- `gcra.lua .. lib.lua .. decide.lua` (or refund.lua, peek.lua) as one script, so the three
 -- entry points share one copy of the arithmetic. gcra.lua holds the helpers (fdiv, fmt, num,
 -- clock) and the gcra arithmetic, which decide.lua's gcra-only path uses without this file.
@@ -9,15 +9,21 @@
 -- that can exceed it (sliding_window's count × period) goes through muldiv below.
 --
 -- Per-limit parameters (6 ARGV values, in this order):
---   algo       1 gcra | 2 fixed_window | 3 sliding_window | 4 sliding_log | 5 concurrency
+--   algo       1 gcra | 2 fixed_window | 3 sliding_window | 4 sliding_log
+--              | 5 fixed_window on calendar windows (align: calendar) | 6 concurrency
 --   count      units per period (> 0); concurrency: max_in_flight
---   period     µs (> 0); concurrency: the lease's length
+--   period     µs (> 0); for 5 the windows' nominal length, which nothing here uses;
+--              concurrency: the lease's length
 --   burst      gcra: units takeable at once from a full bucket; concurrency: this request's
 --              lease id (< 2^50, chosen by the instance); ignored by the others
 --   cost       units this request takes
 --   max_delay  gcra: admit with a delay up to this many µs (0 = never); ignored by the others
+-- and for algo 5 four more: b1 <= b2 <= b3 <= b4, the starts of the windows before, holding
+-- and after the instance's own clock, and the end of the one after. Redis's clock decides:
+-- the window of [b1, b2), [b2, b3), [b3, b4) that holds its TIME is the one counted in, and
+-- none holding it (the clocks differ by more than a window) is an error, not a guess.
 -- Keys per limit: sliding_log 2 (zset of entries, hash {sum, seq}); the others 1
--- (gcra: string = tat; fixed_window: hash {s, c}; sliding_window: hash {s, c, p};
+-- (gcra: string = tat; fixed_window (2 and 5): hash {s, c}; sliding_window: hash {s, c, p};
 -- concurrency: zset of lease ids scored by their expiry).
 
 -- Keys live until their state is back to full, so idle keys cost no memory. A key already
@@ -36,14 +42,11 @@ local function expire(keys, full_at, now, floor_ms)
 end
 
 -- Reads `n` limits from ARGV starting after index `at`, taking their keys from KEYS in order.
--- With `shadow` (decide.lua), each limit has a 7th value: 1 for a shadow limit, else 0.
+-- With `shadow` (decide.lua), each limit ends with one more value: 1 for a shadow limit, else 0.
 local function read_limits(n, at, shadow)
-  local limits, k = {}, 1
-  local stride = shadow and 7 or 6
+  local limits, k, b = {}, 1, at
   for i = 1, n do
-    local b = at + (i - 1) * stride
     local l = {
-      shadow = shadow and ARGV[b + 7] == '1',
       algo = tonumber(ARGV[b + 1]),
       count = tonumber(ARGV[b + 2]),
       period = tonumber(ARGV[b + 3]),
@@ -52,6 +55,19 @@ local function read_limits(n, at, shadow)
       max_delay = tonumber(ARGV[b + 6]),
       keys = { KEYS[k] },
     }
+    b = b + 6
+    if l.algo == 5 then
+      l.bounds = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
+        tonumber(ARGV[b + 4]) }
+      b = b + 4
+      if not (l.bounds[1] and l.bounds[2] and l.bounds[3] and l.bounds[4]) then
+        error('tollgate: malformed calendar windows for limit ' .. i)
+      end
+    end
+    if shadow then
+      l.shadow = ARGV[b + 1] == '1'
+      b = b + 1
+    end
     if l.algo == 4 then
       l.keys[2] = KEYS[k + 1]
       k = k + 2
@@ -61,7 +77,7 @@ local function read_limits(n, at, shadow)
     if not (l.algo and l.count and l.period and l.burst and l.cost and l.max_delay) then
       error('tollgate: malformed arguments for limit ' .. i)
     end
-    if l.algo < 1 or l.algo > 5 then
+    if l.algo < 1 or l.algo > 6 then
       error('tollgate: unknown algorithm ' .. tostring(l.algo))
     end
     if l.keys[#l.keys] == nil then
@@ -87,14 +103,14 @@ end
 local ALG = {}
 
 -- A script's body runs on every call, so the algorithms are built on first use: defining
--- all four algorithms' closures on every decision cost Redis more CPU than the decision
--- itself (see script.rs). BUILD[code]() defines ALG[code].
+-- all the algorithms' closures on every decision cost Redis more CPU than the decision
+-- itself (see script.rs). BUILD[code](code) defines ALG[code].
 local BUILD = {}
 setmetatable(ALG, {
   __index = function(t, code)
     local build = BUILD[code]
     if build then
-      build()
+      build(code)
     end
     return rawget(t, code)
   end,
@@ -159,15 +175,52 @@ BUILD[1] = function()
 end
 
 -- fixed_window -----------------------------------------------------------------------------
+-- One body for 2 (epoch windows) and 5 (calendar windows): BUILD[5] is BUILD[2], which
+-- builds ALG[code] around that code's window function `win(l, s, now)`: the start of the
+-- window holding `now` and the time left in it (for calendar windows, nil when none of the
+-- three the instance sent holds `now`). Defined inside the builder, so a call that uses
+-- neither creates none of their closures, and algorithm 2's arithmetic is the call it was.
 
-BUILD[2] = function()
-  ALG[2] = {
+BUILD[2] = function(code)
+  code = code or 2
+  local win, window_of
+  if code == 5 then
+    win = function(l, _, now)
+      local b = l.bounds
+      for j = 1, 3 do
+        if b[j] <= now and now < b[j + 1] then
+          return b[j], b[j + 1] - now
+        end
+      end
+      return nil
+    end
+    -- The window of `now`, or an error naming both clocks: counting in a window Redis's
+    -- clock is not in would give a client a budget of the wrong day.
+    window_of = function(l, s, now)
+      local ws, to_end = win(l, s, now)
+      if ws == nil then
+        error('tollgate: redis time ' .. fmt(now) .. ' is outside the calendar windows sent ('
+          .. fmt(l.bounds[1]) .. ' to ' .. fmt(l.bounds[4])
+          .. '): the instance clock and redis clock differ by more than a window')
+      end
+      return ws, to_end
+    end
+  else
+    -- `window` itself, inline: a call level less for every fixed_window decision.
+    win = function(_, s, now)
+      local into = now - fdiv(now, s.period) * s.period
+      return now - into, s.period - into
+    end
+    window_of = win
+  end
+  local alg
+  alg = {
     load = function(l)
       local v = redis.call('HMGET', l.keys[1], 's', 'c')
       return { start = num(v[1]), count = num(v[2]), period = math.max(1, l.period) }
     end,
     check = function(l, s, now)
-      local ws, to_end = window(s.period, now)
+      local ws, to_end = window_of(l, s, now)
       local c = (s.start == ws) and s.count or 0
       if c + l.cost > l.count then
         return 0, math.max(0, l.count - c), to_end, to_end
@@ -179,7 +232,7 @@ BUILD[2] = function()
       return 1, l.count - c - l.cost, reset, 0
     end,
     commit = function(l, s, now, floor_ms)
-      local ws = window(s.period, now)
+      local ws, to_end = window_of(l, s, now)
       if s.start ~= ws then
         s.start, s.count = ws, 0
       end
@@ -189,21 +242,22 @@ BUILD[2] = function()
         return
       end
       redis.call('HSET', l.keys[1], 's', fmt(s.start), 'c', fmt(s.count))
-      expire(l.keys, s.start + s.period, now, floor_ms)
+      -- The window's end: s.start + period for epoch windows.
+      expire(l.keys, now + to_end, now, floor_ms)
     end,
     peek = function(l, s, now)
-      local ws, to_end = window(s.period, now)
+      local ws, to_end = window_of(l, s, now)
       local c = (s.start == ws) and s.count or 0
       if c > 0 then
         return math.max(0, l.count - c), to_end
       end
       return math.max(0, l.count - c), 0
     end,
-    -- Only the window the units were taken in holds them; once it has passed there is
-    -- nothing left to give back.
+    -- Only the window the units were taken in holds them; once it has passed (or is not one
+    -- the call knows) there is nothing left to give back.
     refund = function(l, at, _, _)
-      local s = ALG[2].load(l)
-      if s.count == 0 or s.start ~= window(s.period, at) then
+      local s = alg.load(l)
+      if s.count == 0 or s.start ~= win(l, s, at) then
         return 0
       end
       local c = math.max(0, s.count - l.cost)
@@ -215,7 +269,9 @@ BUILD[2] = function()
       return 1
     end,
   }
+  ALG[code] = alg
 end
+BUILD[5] = BUILD[2]
 
 -- sliding_window ---------------------------------------------------------------------------
 
@@ -565,12 +621,12 @@ end
 -- members are trimmed by the commits and releases that write the key, and the key expires with
 -- its last lease. A rejection's retry_after is the limit's own, which the caller fills in.
 
-BUILD[5] = function()
+BUILD[6] = function()
   local function held(l, now)
     return redis.call('ZCOUNT', l.keys[1], '(' .. fmt(now), '+inf')
   end
 
-  ALG[5] = {
+  ALG[6] = {
     load = function(_)
       return {}
     end,

@@ -4,6 +4,7 @@
 -- KEYS:  the limit's keys, as for decide.lua
 -- ARGV:  [1] now override in µs, or -1 for TIME
 --        then 6: algo, count, period, burst, cost, max_delay (cost and max_delay unused)
+--        (and for algo 5 the four calendar window bounds, see lib.lua)
 -- Returns {remaining, reset_after (µs), now (µs)}.
 
 local now = clock(ARGV[1])

@@ -8,6 +8,7 @@
 --        [2] minimum TTL in ms, as for decide.lua
 --        [3] the `now` the decide call returned (the instant the units were taken at)
 --        then 6: algo, count, period, burst, cost, max_delay (as for decide.lua)
+--        (and for algo 5 the four calendar window bounds, see lib.lua)
 -- Returns 1 if units were given back, 0 if there was nothing left to give back (the
 -- window already passed, or the key expired).
 

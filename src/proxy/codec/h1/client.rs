@@ -145,7 +145,7 @@ async fn send_body_until_head(
 }
 
 #[derive(Debug)]
-pub(super) enum ReadError {
+pub(crate) enum ReadError {
     /// The connection ended before any byte of a response.
     Closed,
     Io(io::Error),
@@ -167,7 +167,7 @@ impl From<ReadError> for io::Error {
 
 /// Reads until a final response head is in `ubuf` (informational ones are skipped, as the
 /// general path's client does).
-async fn read_response<R: AsyncRead + Unpin>(
+pub(crate) async fn read_response<R: AsyncRead + Unpin>(
     up: &mut R,
     ubuf: &mut BytesMut,
     ufields: &mut Vec<Field>,

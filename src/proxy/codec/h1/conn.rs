@@ -11,15 +11,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::client::read_more;
 use super::head::{self, ParsedRequest, RequestHead};
 use super::write::{AnswerLines, push_date};
-use super::{ClientIo, Conn, DISCARD_MAX, HEAD_TIMEOUT, ReadHead, RequestId, Step, WAIT_READ_MAX};
+use super::{
+    ClientIo, Conn, DISCARD_MAX, Ended, HEAD_TIMEOUT, ReadHead, RequestId, Step, WAIT_READ_MAX,
+};
 use crate::proxy::error::{ProxyError, rescue};
 use crate::proxy::exchange::ExchangeEnd;
 use crate::proxy::response::push_u64;
 
+/// How long a TLS close waits to write its `close_notify`.
+const CLOSE_NOTIFY_TIMEOUT: Duration = Duration::from_secs(2);
+
 impl<S: ClientIo> Conn<S> {
-    /// Serves requests until the connection closes; returns the bytes to hand to the general
-    /// path with the connection, if it came to that.
-    pub(super) async fn run(&mut self) -> Option<Bytes> {
+    /// Serves requests until the connection closes or is handed to the general path.
+    pub(super) async fn run(&mut self) -> Ended {
         // One wait on the drain signal for the connection's life, not one per request: each
         // new wait is a registration (and its removal) under the signal's lock.
         let mut stop = self.stop.clone();
@@ -28,16 +32,16 @@ impl<S: ClientIo> Conn<S> {
         loop {
             let head = match self.read_head(stopped.as_mut()).await {
                 ReadHead::Head(h) => h,
-                ReadHead::Closed => return None,
-                ReadHead::General => return Some(self.rbuf.split().freeze()),
+                ReadHead::Closed => return Ended::Quiet,
+                ReadHead::General => return Ended::General(self.rbuf.split().freeze()),
             };
             match self.handle(head).await {
                 Step::Keep => {}
                 Step::Close { linger } => {
                     self.close(linger).await;
-                    return None;
+                    return Ended::Closed;
                 }
-                Step::General(prefix) => return Some(prefix),
+                Step::General(prefix) => return Ended::General(prefix),
             }
         }
     }
@@ -179,7 +183,9 @@ impl<S: ClientIo> Conn<S> {
         if head.method != Method::HEAD {
             out.extend_from_slice(body);
         }
-        if self.client.write_all(&self.out).await.is_err() {
+        if self.client.write_all(&self.out).await.is_err()
+            || (self.client.is_tls() && self.client.flush().await.is_err())
+        {
             return Step::Close { linger: false };
         }
         if close {
@@ -193,7 +199,13 @@ impl<S: ClientIo> Conn<S> {
     /// be sending is read off for a moment first, so the close does not reset the connection
     /// before the client has read the response.
     pub(super) async fn close(&mut self, linger: bool) {
-        let _ = self.client.shutdown().await;
+        if self.client.is_tls() {
+            // `close_notify` is a write: a client that reads nothing more must not hold the
+            // task.
+            let _ = tokio::time::timeout(CLOSE_NOTIFY_TIMEOUT, self.client.shutdown()).await;
+        } else {
+            let _ = self.client.shutdown().await;
+        }
         if linger {
             let drain = async {
                 let mut left = DISCARD_MAX;

@@ -1,6 +1,7 @@
 //! One exchange on the fast codec, through the pipeline's phases: route, keys and admission,
 //! the upstream request under the header rules, the response filtered back, and the end.
 
+use std::pin::pin;
 use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -15,6 +16,7 @@ use super::write::{FieldsView, LineWriter, push_body, push_date, upstream_head};
 use super::{ClientIo, Conn, Failure, RequestId, Step, WAIT_READ_MAX};
 use crate::key::{RequestParts, client_ip};
 use crate::limit::HeaderInfo;
+use crate::panics::Panic;
 use crate::proxy::error::ProxyError;
 use crate::proxy::exchange::ExchangeEnd;
 use crate::proxy::forwarding::{self, RequestRule, ResponseRule};
@@ -58,13 +60,46 @@ impl<S: ClientIo> Conn<S> {
                 step
             }
             Ok(idx) => {
-                self.route(rt, &rt.routes[idx], &end, &mut head, &bytes, uri, &rid)
-                    .await
-                    .1
+                let route = &rt.routes[idx];
+                let caught = {
+                    let phases = pin!(self.route(rt, route, &end, &mut head, &bytes, uri, &rid));
+                    crate::panics::catch_pinned(phases).await
+                };
+                match caught {
+                    Ok((_, step)) => step,
+                    Err(p) => self.panicked(&p, &end, &mut head, &bytes, &rid).await,
+                }
             }
         };
         self.ended(end);
         step
+    }
+
+    /// A panic caught in a routed request's phases (`crate::panics`): answered 500 when
+    /// nothing of the response has gone out, and the connection closes either way (what the
+    /// panic left half-done, a body half read or half relayed, cannot carry another request).
+    async fn panicked(
+        &mut self,
+        p: &Panic,
+        end: &ExchangeEnd,
+        head: &mut RequestHead,
+        bytes: &Bytes,
+        rid: &RequestId,
+    ) -> Step {
+        let answered = end.is_answered();
+        let then = if answered {
+            "response cut: connection closed"
+        } else {
+            "answered 500, connection closed"
+        };
+        let metrics = &self.gateway.metrics;
+        crate::proxy::request_panicked(metrics, self.peer, end.route(), rid.log(bytes), then, p);
+        if answered {
+            return Step::Close { linger: false };
+        }
+        self.fail(&ProxyError::Panicked, end, head, bytes, rid)
+            .await
+            .1
     }
 
     /// Keys, admission, and the forward of an admitted request; the status sent (0 for none)

@@ -296,7 +296,7 @@ fn parse_response_in<'b>(
             // As hyper's client reads it: a list of one value (`5, 5`), over any fields.
             Name::ContentLength => {
                 for v in h.value.split(|b| *b == b',') {
-                    match (length, parse_length(v)) {
+                    match (length, parse_response_length(v)) {
                         (None, Some(n)) => length = Some(n),
                         (Some(a), Some(b)) if a == b => {}
                         _ => bad_length = true,
@@ -310,6 +310,14 @@ fn parse_response_in<'b>(
         fields.push(field);
     }
     let no_body = head_request || (100..200).contains(&status) || status == 204 || status == 304;
+    // RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (it has likely
+    // come through something that did not understand the coding). hyper's client, the general
+    // path's, refuses such a response where a body may follow; so does this parser, rather than
+    // read it until the close (found by differential fuzzing,
+    // fuzz/regressions/differential_response/).
+    if version == 0 && te.is_some() && !no_body {
+        return Ok(ParsedResponse::Invalid);
+    }
     // A length only matters where it frames the body (no Transfer-Encoding, a body to come) or
     // announces one (HEAD, 304): a bad one is refused there and dropped elsewhere, as hyper
     // does. 1xx and 204 carry none (RFC 9110 §8.6: an upstream's `0` is not passed on).
@@ -325,9 +333,16 @@ fn parse_response_in<'b>(
     let framing = if no_body {
         Framing::Length(0)
     } else if let Some(te) = te {
-        // The final coding decides; anything but chunked runs until the upstream closes.
-        let last = buf[te].rsplit(|b| *b == b',').next().unwrap_or_default();
-        if trimmed(last).eq_ignore_ascii_case(b"chunked") {
+        // The final coding decides; anything but chunked runs until the upstream closes. A value
+        // with a byte beyond visible ASCII names no coding at all, as hyper's client (the general
+        // path's) reads it (`HeaderValue::to_str` fails): until the close too, never chunked
+        // (found by differential fuzzing, fuzz/regressions/differential_response/).
+        let value = &buf[te];
+        let visible = value
+            .iter()
+            .all(|&b| b == b'\t' || (b' '..=b'~').contains(&b));
+        let last = value.rsplit(|b| *b == b',').next().unwrap_or_default();
+        if visible && trimmed(last).eq_ignore_ascii_case(b"chunked") {
             Framing::Chunked(Chunked::new())
         } else {
             Framing::UntilClose
@@ -370,12 +385,37 @@ fn trimmed(v: &[u8]) -> &[u8] {
     &v[start..end]
 }
 
+/// A request's `Content-Length`: at most 18 digits (anything longer goes to the general path,
+/// which reads it as hyper does).
 fn parse_length(v: &[u8]) -> Option<u64> {
     let v = trimmed(v);
     if v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }
     Some(v.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// The largest body length hyper's client takes (`u64::MAX - 2`; it keeps the last two values
+/// for "chunked" and "until the close").
+const MAX_RESPONSE_LENGTH: u64 = u64::MAX - 2;
+
+/// An upstream's `Content-Length` as hyper's client (the general path's) reads it: any number
+/// of digits, leading zeros included, up to [`MAX_RESPONSE_LENGTH`]. Reading it any other way
+/// would make the two codecs answer the same upstream differently (found by differential
+/// fuzzing: 51 digits, most of them leading zeros).
+fn parse_response_length(v: &[u8]) -> Option<u64> {
+    let v = trimmed(v);
+    if v.is_empty() {
+        return None;
+    }
+    v.iter()
+        .try_fold(0u64, |n, &d| {
+            if !d.is_ascii_digit() {
+                return None;
+            }
+            n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        })
+        .filter(|&n| n <= MAX_RESPONSE_LENGTH)
 }
 
 /// Appends `name: value\r\n`.
@@ -522,6 +562,93 @@ mod tests {
                 panic!("{text:?}");
             };
             assert_eq!(r.reason, 0..0, "{text:?}");
+        }
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_response/): an HTTP/1.0
+    /// response with Transfer-Encoding was read until the close where hyper's client refuses
+    /// it; both now refuse it when a body may follow, and take it when none can.
+    #[test]
+    fn an_http_1_0_response_with_transfer_encoding_and_a_body_is_invalid() {
+        for text in [
+            &b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            b"HTTP/1.0 200\nTrAnsfer-Encoding: ,\t    )\tn'th: \n\n",
+        ] {
+            assert!(matches!(
+                parse_response(text, false, &mut Vec::new()),
+                ParsedResponse::Invalid
+            ));
+        }
+        for (text, head) in [
+            (
+                &b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+                true,
+            ),
+            (
+                b"HTTP/1.0 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+            ),
+            (
+                b"HTTP/1.0 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+            ),
+        ] {
+            let ParsedResponse::Complete(r) = parse_response(text, head, &mut Vec::new()) else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.framing, Framing::Length(0));
+        }
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_response/): a
+    /// Transfer-Encoding value with obs-text ending in `chunked` was read as chunked, where
+    /// hyper's client reads no coding in it and the body until the close.
+    #[test]
+    fn a_transfer_encoding_with_obs_text_is_not_chunked() {
+        for (text, framing) in [
+            (
+                &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: g\x86zip, chunked\r\n\r\n"[..],
+                Framing::UntilClose,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip,\tchunked\r\n\r\n",
+                Framing::Chunked(Chunked::new()),
+            ),
+        ] {
+            let ParsedResponse::Complete(r) = parse_response(text, false, &mut Vec::new()) else {
+                panic!("{text:?}");
+            };
+            assert_eq!(r.framing, framing, "{text:?}");
+        }
+    }
+
+    /// Found by differential fuzzing (fuzz/regressions/differential_response/): an upstream's
+    /// length of more than 18 digits (leading zeros) was refused, where hyper's client takes
+    /// any length it can hold.
+    #[test]
+    fn a_response_length_is_read_as_hyper_reads_it() {
+        let length = |v: &str| {
+            let text = format!("HTTP/1.1 200 OK\r\nContent-Length: {v}\r\n\r\n");
+            match parse_response(text.as_bytes(), false, &mut Vec::new()) {
+                ParsedResponse::Complete(r) => Some(r.framing),
+                _ => None,
+            }
+        };
+        let zeros = "0".repeat(40);
+        assert_eq!(length(&format!("{zeros}5")), Some(Framing::Length(5)));
+        assert_eq!(
+            length("18446744073709551613"),
+            Some(Framing::Length(u64::MAX - 2))
+        );
+        for refused in [
+            "18446744073709551614",
+            "18446744073709551616",
+            "99999999999999999999999",
+            "5x",
+            "+5",
+            "",
+        ] {
+            assert_eq!(length(refused), None, "{refused}");
         }
     }
 

@@ -26,10 +26,13 @@ pub(crate) mod framing;
 pub(crate) mod head;
 mod relay;
 mod rewind;
+mod stream;
 #[cfg(test)]
 mod tests;
 pub(crate) mod timer;
 mod write;
+pub(crate) use client::{ReadError, read_response};
+pub(crate) use stream::Stream;
 pub(crate) use write::upstream_head;
 
 use std::io;
@@ -42,7 +45,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::Watcher;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use self::head::{Field, RequestHead};
@@ -62,8 +64,8 @@ const DISCARD_MAX: usize = 1 << 20;
 const WAIT_READ_MAX: usize = 64 * 1024;
 
 /// A client connection the fast codec serves: a byte stream whose read and write halves can be
-/// borrowed apart for one exchange (both directions at once). A `TcpStream` in production; an
-/// in-memory pipe in this module's tests.
+/// borrowed apart for one exchange (both directions at once). [`Stream`] (plain TCP or TLS) in
+/// production; an in-memory pipe in this module's tests.
 pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// The read half, borrowed.
     type Reader<'a>: AsyncRead + Unpin + Send
@@ -73,17 +75,14 @@ pub(crate) trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     type Writer<'a>: AsyncWrite + Unpin + Send
     where
         Self: 'a;
-    /// Both halves, borrowed apart (for a `TcpStream`, without a lock).
-    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>);
-}
-
-impl ClientIo for TcpStream {
-    type Reader<'a> = tokio::net::tcp::ReadHalf<'a>;
-    type Writer<'a> = tokio::net::tcp::WriteHalf<'a>;
-
-    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>) {
-        self.split()
+    /// The stream is TLS: a write may leave records in rustls's buffer that only a flush sends
+    /// (the codec flushes after each write that ends what it has to say for now), and a close
+    /// is announced (`close_notify`) however the connection ends.
+    fn is_tls(&self) -> bool {
+        false
     }
+    /// Both halves, borrowed apart (for a socket, without a lock).
+    fn halves(&mut self) -> (Self::Reader<'_>, Self::Writer<'_>);
 }
 
 /// What the listener gives each plain connection.
@@ -95,7 +94,8 @@ pub(crate) struct Control {
     pub stop: watch::Receiver<bool>,
 }
 
-/// Serves one plain TCP connection; `watcher` counts it for the drain.
+/// Serves one client connection (plain TCP, or TLS after its handshake); `watcher` counts it
+/// for the drain.
 pub(crate) async fn serve<S: ClientIo>(
     gateway: Arc<Gateway>,
     stream: S,
@@ -119,8 +119,15 @@ pub(crate) async fn serve<S: ClientIo>(
         idle_from: tokio::time::Instant::now(),
         route_timer: LazyTimer::new(),
     };
-    let Some(prefix) = conn.run().await else {
-        return;
+    let prefix = match conn.run().await {
+        Ended::General(prefix) => prefix,
+        Ended::Quiet if conn.client.is_tls() => {
+            // Idle, drained, or the client closed: TLS says so before the socket closes (a
+            // plain socket's close says it by itself).
+            conn.close(false).await;
+            return;
+        }
+        Ended::Quiet | Ended::Closed => return,
     };
     let io = Rewind {
         prefix,
@@ -155,6 +162,17 @@ struct Conn<S> {
     idle_from: tokio::time::Instant,
     /// The route timeout of the exchange in progress.
     route_timer: LazyTimer,
+}
+
+/// How a connection's loop ended.
+enum Ended {
+    /// Closed after its last answer ([`Conn::close`]).
+    Closed,
+    /// Between requests, with nothing to answer: the client closed, idled out, or the listener
+    /// drains; nothing was said to the client.
+    Quiet,
+    /// Handed to the general path from these bytes on.
+    General(Bytes),
 }
 
 enum Step {

@@ -1,6 +1,8 @@
 //! Bodies in flight on the fast codec: the request body pumped to the upstream, the response
 //! body relayed to the client, and both at once while the request body is still coming.
 
+use std::future::poll_fn;
+
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -58,28 +60,40 @@ impl Pump {
 
 /// Copies the rest of a response body (its framing says when it ends) to the client, after
 /// what `out` holds (the head and the body bytes that came with it).
-pub(super) async fn relay(
-    client: &mut (impl AsyncWrite + Unpin),
+pub(super) async fn relay<C: ClientIo>(
+    client: &mut C,
     up: &mut TcpStream,
     ubuf: &mut BytesMut,
     out: &mut Vec<u8>,
     framing: &mut Framing,
     rechunk: bool,
 ) -> Result<(), Cut> {
+    // Each write is followed by a flush on TLS, written out at each write rather than in a
+    // helper: the plain path pays no extra future for it.
+    let tls = client.is_tls();
     client.write_all(out).await.map_err(|_| Cut::Client)?;
+    if tls {
+        client.flush().await.map_err(|_| Cut::Client)?;
+    }
     while !framing.is_done() {
         ubuf.clear();
         match read_more(up, ubuf).await {
             Ok(0) if rechunk => {
-                return client
+                client
                     .write_all(b"0\r\n\r\n")
                     .await
-                    .map_err(|_| Cut::Client);
+                    .map_err(|_| Cut::Client)?;
+                if tls {
+                    client.flush().await.map_err(|_| Cut::Client)?;
+                }
+                return Ok(());
             }
             Ok(n) if n > 0 => {}
             _ => return Err(Cut::Upstream),
         }
         let n = framing.advance(ubuf).map_err(|_| Cut::Malformed)?;
+        #[cfg(feature = "panic-injection")]
+        crate::panics::inject::body(&ubuf[..n]);
         let sent = if rechunk {
             out.clear();
             push_body(out, &ubuf[..n], true);
@@ -88,6 +102,9 @@ pub(super) async fn relay(
             client.write_all(&ubuf[..n]).await
         };
         sent.map_err(|_| Cut::Client)?;
+        if tls {
+            client.flush().await.map_err(|_| Cut::Client)?;
+        }
         ubuf.advance(n);
     }
     Ok(())
@@ -109,12 +126,16 @@ pub(super) async fn relay_duplex<C: ClientIo>(
     framing: &mut Framing,
     rechunk: bool,
 ) -> Result<(), Cut> {
+    let tls = client.is_tls();
     let (mut cr, mut cw) = client.halves();
     let (mut ur, mut uw) = up.split();
     let mut written = 0;
     let mut done = framing.is_done();
+    // Bytes the client's stream took but may still hold (TLS): flushed before the next read
+    // from the upstream, and before the end.
+    let mut unflushed = false;
     loop {
-        if written == out.len() {
+        if written == out.len() && !unflushed {
             out.clear();
             written = 0;
             if done {
@@ -125,6 +146,7 @@ pub(super) async fn relay_duplex<C: ClientIo>(
         let sending = !pump.broken && !pump.pending.is_empty();
         let wants = pump.wants(body) && rbuf.len() < WAIT_READ_MAX;
         let flushing = written < out.len();
+        let flush = tls && unflushed && !flushing;
         tokio::select! {
             r = uw.write(&pump.pending), if sending => match r {
                 Ok(n) if n > 0 => pump.pending.advance(n),
@@ -134,11 +156,23 @@ pub(super) async fn relay_duplex<C: ClientIo>(
                 Ok(n) if n > 0 => {}
                 _ => return Err(Cut::Client),
             },
-            r = cw.write(&out[written..]), if flushing => match r {
-                Ok(n) if n > 0 => written += n,
+            // One branch writes, or flushes once all is written: both need the write half.
+            r = poll_fn(|cx| {
+                let w = std::pin::Pin::new(&mut cw);
+                if flushing {
+                    w.poll_write(cx, &out[written..]).map_ok(Some)
+                } else {
+                    w.poll_flush(cx).map_ok(|()| None)
+                }
+            }), if flushing || flush => match r {
+                Ok(Some(n)) if n > 0 => {
+                    written += n;
+                    unflushed = tls;
+                }
+                Ok(None) => unflushed = false,
                 _ => return Err(Cut::Client),
             },
-            r = read_more(&mut ur, ubuf), if !flushing && !done => {
+            r = read_more(&mut ur, ubuf), if !flushing && !flush && !done => {
                 match r {
                     Ok(0) if rechunk => {
                         out.extend_from_slice(b"0\r\n\r\n");
