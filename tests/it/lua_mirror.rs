@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::support::redis::RedisServer;
 use fred::prelude::{Builder, Client, ClientLike, Config, KeysInterface};
 use jiff::tz::TimeZone;
+use posix_zones::posix_zone;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use tokio::runtime::Runtime;
@@ -22,6 +23,10 @@ use tollgate::limit::redis::{
     GlobalLimit, LimitVerdict, RedisError, RedisSettings, RedisStore, RedisTarget, ScriptPath,
     redis_keys,
 };
+
+/// The zones `limit/algorithm/calendar.rs` tests, by path: one generator for both.
+#[path = "../../src/limit/algorithm/posix_zones.rs"]
+mod posix_zones;
 
 /// A realistic epoch (µs since 1970), so Lua handles today's timestamps exactly.
 const EPOCH: Micros = 1_700_000_000_000_000;
@@ -560,36 +565,6 @@ fn gcra_refund_after_another_commit_is_never_laxer() {
 }
 
 const HOUR: Micros = 3_600_000_000;
-
-/// An arbitrary zone with daylight saving as a POSIX TZ rule (see the same generator in
-/// `limit/algorithm/calendar.rs`): any offset, a shift of 30 minutes to 2 hours, changes at
-/// 00:00 to 03:00 on any month, week and weekday.
-fn posix_zone() -> impl Strategy<Value = String> {
-    let at = prop::sample::select(vec!["0", "0:30", "1", "2", "3"]);
-    let change = (1u8..=12, 1u8..=5, 0u8..=6, at);
-    (
-        -12i32..=12,
-        prop::sample::select(vec![0, 30, 45]),
-        prop::sample::select(vec![30, 60, 120]),
-        change.clone(),
-        change,
-    )
-        .prop_map(
-            |(hours, minutes, shift, (m1, w1, d1, t1), (m2, w2, d2, t2))| {
-                let std = hours * 60 + if hours < 0 { -minutes } else { minutes };
-                let posix = |east: i32| {
-                    let west = -east;
-                    let sign = if west < 0 { "-" } else { "" };
-                    format!("{sign}{}:{:02}", west.abs() / 60, west.abs() % 60)
-                };
-                format!(
-                    "AAA{}BBB{},M{m1}.{w1}.{d1}/{t1},M{m2}.{w2}.{d2}/{t2}",
-                    posix(std),
-                    posix(std + shift)
-                )
-            },
-        )
-}
 
 /// A real zone or an arbitrary rule, and a unit.
 fn calendar() -> impl Strategy<Value = (String, Unit)> {

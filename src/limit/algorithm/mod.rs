@@ -286,6 +286,8 @@ impl Algorithm {
 }
 
 #[cfg(test)]
+mod posix_zones;
+#[cfg(test)]
 mod testkit;
 
 #[cfg(test)]
