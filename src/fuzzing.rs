@@ -879,7 +879,7 @@ fn hyper_reads(data: Bytes, server: Server) -> Vec<Seen> {
             ))
         }
     });
-    let io = hyper_util::rt::TokioIo::new(Memory { data, at: 0 });
+    let io = hyper_util::rt::TokioIo::new(Answering::at_once(data));
     RT.with(|rt| {
         rt.block_on(async {
             match server {
@@ -1094,13 +1094,26 @@ fn hyper_response(data: Bytes, head_request: bool) -> Answer {
     })
 }
 
-/// An upstream that answers `data` (then shuts its write side) once a request has been written
-/// to it: hyper's client takes bytes that come before its request for a protocol error.
+/// A peer that sends `data` (then shuts its write side) once something has been written to
+/// it, or at once when made [`Answering::at_once`]; what is written is dropped. An upstream
+/// waits: hyper's client takes bytes that come before its request for a protocol error.
 struct Answering {
     data: Bytes,
     at: usize,
     asked: bool,
     waker: Option<std::task::Waker>,
+}
+
+impl Answering {
+    /// A connection whose peer sent `data` and shut its write side.
+    fn at_once(data: Bytes) -> Self {
+        Answering {
+            data,
+            at: 0,
+            asked: true,
+            waker: None,
+        }
+    }
 }
 
 impl tokio::io::AsyncRead for Answering {
@@ -1130,43 +1143,6 @@ impl tokio::io::AsyncWrite for Answering {
         if let Some(w) = self.waker.take() {
             w.wake();
         }
-        Poll::Ready(Ok(buf.len()))
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-}
-
-/// A connection whose peer sent `data` and shut its write side; what is written is dropped.
-struct Memory {
-    data: Bytes,
-    at: usize,
-}
-
-impl tokio::io::AsyncRead for Memory {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let n = buf.remaining().min(self.data.len() - self.at);
-        buf.put_slice(&self.data[self.at..self.at + n]);
-        self.at += n;
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl tokio::io::AsyncWrite for Memory {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
         Poll::Ready(Ok(buf.len()))
     }
 
