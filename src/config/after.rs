@@ -222,8 +222,9 @@ impl Serialize for SettleConfig {
     }
 }
 
-/// A limit's `settle:`, or why it cannot settle: it must be a rate limit whose state can carry
-/// a debt (gcra, sliding_log), decided strictly.
+/// A limit's `settle:`, or why it cannot settle: it must be a rate limit (any of the four
+/// algorithms: each state can carry a debt, a fixed window's until its end), decided strictly
+/// (an eventual limit exchanges counts between instances, and a settlement is no count).
 pub(super) fn settle(
     raw: Option<serde_saphyr::Spanned<RawSettle>>,
     algorithm: AlgorithmKind,
@@ -237,9 +238,6 @@ pub(super) fn settle(
         AlgorithmKind::Concurrency => Some(
             "a concurrency limit holds slots, not units: there is no cost to settle".to_owned(),
         ),
-        AlgorithmKind::FixedWindow | AlgorithmKind::SlidingWindow => Some(format!(
-            "{algorithm} forgets its count at each window's end, so a debt would be forgiven there: use gcra or sliding_log"
-        )),
         _ if consistency == Consistency::Eventual => Some(
             "consistency: eventual exchanges counts, not settlements: use consistency: strict"
                 .to_owned(),

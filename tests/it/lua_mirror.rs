@@ -17,7 +17,8 @@ use proptest::test_runner::TestCaseError;
 use tokio::runtime::Runtime;
 use tollgate::limit::algorithm::calendar::Unit;
 use tollgate::limit::algorithm::{
-    Algorithm, Calendar, FixedWindow, Gcra, Micros, Quota, SlidingLog, SlidingWindow, State,
+    Algorithm, Calendar, FixedWindow, Gcra, Micros, Quota, Settlement, SlidingLog, SlidingWindow,
+    State,
 };
 use tollgate::limit::redis::{
     GlobalLimit, LimitVerdict, RedisError, RedisSettings, RedisStore, RedisTarget, ScriptPath,
@@ -698,5 +699,182 @@ fn calendar_windows_far_from_redis_time_are_a_script_error() {
             let _: i64 = sh.raw.del(keys).await.expect("DEL");
         });
         assert_eq!(store.script_path(), path);
+    }
+}
+
+/// One request of a settlement timeline: the gap before it, its estimate, its true cost, after
+/// how many later steps its response settles it (0: at once, at its own instant), and how far
+/// the instance's clock is from Redis's when it settles (calendar windows only).
+type SettleStep = (Micros, u64, u64, usize, i64);
+
+/// Decisions and settlements of one limit, in Redis and in the Rust core: responses settle in
+/// any order and across window boundaries, several in flight at once. Every decision, and the
+/// state (through peek) after every settlement, must match.
+fn mirror_settlements(
+    alg: &Algorithm,
+    start: Micros,
+    steps: &[SettleStep],
+    tail: Micros,
+) -> Result<(), TestCaseError> {
+    let sh = shared();
+    for (path, store) in sh.stores() {
+        let key = fresh_key("settle");
+        sh.rt.block_on(async {
+            let mut state = alg.new_state();
+            let mut now = start;
+            // (due at step, admitted at, estimate, delta, skew)
+            let mut pending: Vec<(usize, Micros, u64, i64, i64)> = Vec::new();
+            let settle = |state: &mut State, now: Micros, (at, estimate, delta, skew)| {
+                let limit = GlobalLimit {
+                    algorithm: alg,
+                    key: &key,
+                    cost: estimate,
+                    max_delay: 0,
+                };
+                alg.settle(
+                    state,
+                    Settlement {
+                        at,
+                        estimate,
+                        delta,
+                    },
+                    now,
+                );
+                let seen = now.saturating_add_signed(skew);
+                async move {
+                    store
+                        .settle_seen_from(&limit, at, delta, Some(now), seen)
+                        .await
+                        .expect("settle");
+                    store.peek_at(&limit, Some(now)).await.expect("peek").0
+                }
+            };
+            let steps_len = steps.len();
+            for (i, &(gap, estimate, cost, after, skew)) in steps.iter().enumerate() {
+                now += gap;
+                let due: Vec<_> = pending.iter().filter(|p| p.0 <= i).copied().collect();
+                pending.retain(|p| p.0 > i);
+                for (_, at, est, delta, skew) in due {
+                    let got = settle(&mut state, now, (at, est, delta, skew)).await;
+                    prop_assert_eq!(
+                        got,
+                        alg.peek(&state, now),
+                        "{:?} settling {} at {} (step {})",
+                        path,
+                        at,
+                        now,
+                        i
+                    );
+                }
+                let estimate = estimate.min(alg.max_cost());
+                let limit = GlobalLimit {
+                    algorithm: alg,
+                    key: &key,
+                    cost: estimate,
+                    max_delay: 0,
+                };
+                let expected = rust_verdict(alg, &state, now, estimate, 0);
+                let got = store.decide(&[limit], Some(now)).await.expect("decide");
+                prop_assert_eq!(
+                    &got.per_limit,
+                    &vec![expected],
+                    "{:?} step {} at {}",
+                    path,
+                    i,
+                    now
+                );
+                if !expected.is_admitted() {
+                    continue;
+                }
+                alg.commit(&mut state, now, estimate);
+                prop_assert_eq!(got.at[0], now);
+                let delta = cost as i64 - estimate as i64;
+                if delta == 0 {
+                    continue;
+                }
+                if after == 0 {
+                    let got = settle(&mut state, now, (now, estimate, delta, skew)).await;
+                    prop_assert_eq!(
+                        got,
+                        alg.peek(&state, now),
+                        "{:?} settling step {} at once",
+                        path,
+                        i
+                    );
+                } else {
+                    pending.push(((i + after).min(steps_len), now, estimate, delta, skew));
+                }
+            }
+            // The responses still out end after the last step, `tail` later.
+            now += tail;
+            for (_, at, est, delta, skew) in pending {
+                let got = settle(&mut state, now, (at, est, delta, skew)).await;
+                prop_assert_eq!(
+                    got,
+                    alg.peek(&state, now),
+                    "{:?} settling {} at the end, {}",
+                    path,
+                    at,
+                    now
+                );
+            }
+            let _: i64 = sh.raw.del(redis_keys(&key, alg)).await.expect("DEL");
+            Ok(())
+        })?;
+        prop_assert_eq!(store.script_path(), path);
+    }
+    Ok(())
+}
+
+/// Settlement steps over `q`: gaps as [`steps`] makes them, estimates up to `max_cost`, true
+/// costs from 0 to three times the count (debts), responses out for up to 3 steps.
+fn settle_steps(q: Quota, max_cost: u64, len: usize) -> impl Strategy<Value = Vec<SettleStep>> {
+    let p = q.period;
+    let slot = (p / q.count).max(1);
+    let gap = prop_oneof![4 => 0..=slot, 3 => 0..=p, 1 => 0..=3 * p];
+    let estimate = prop_oneof![3 => Just(1u64), 1 => 1..=max_cost.max(1)];
+    let cost = prop_oneof![2 => 0..=q.count, 1 => 0..=3 * q.count];
+    let after = prop_oneof![2 => Just(0usize), 2 => 1..=3usize];
+    prop::collection::vec((gap, estimate, cost, after, Just(0i64)), 1..=len)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// settle.lua against settle.rs on every rate algorithm with epoch windows (and gcra and
+    /// the log, interleaved the same way): charges and refunds, in the admission's window, the
+    /// next one, or later.
+    #[test]
+    fn settlements_match_rust_in_flight_and_across_windows(
+        (kind, q, start, steps, tail) in (0u8..4, quota()).prop_flat_map(|(kind, q)| {
+            let max_cost = algorithm(kind, q).max_cost();
+            (Just(kind), Just(q), start(q), settle_steps(q, max_cost, 120), 0..=3 * q.period)
+        })
+    ) {
+        mirror_settlements(&algorithm(kind, q), start, &steps, tail)?;
+    }
+
+    /// The same on calendar windows, in real zones and arbitrary daylight-saving rules, with
+    /// the instance's clock up to 20 hours off Redis's when it settles (the windows it sends
+    /// are around its own clock; Redis's decides).
+    #[test]
+    fn calendar_settlements_match_rust_whatever_window_the_instance_sees(
+        ((zone, unit), count, start, steps, tail) in (calendar(), 1u64..=6).prop_flat_map(|((zone, unit), count)| {
+            let span = unit.nominal();
+            let gap = prop_oneof![4 => 0..=HOUR, 3 => 0..=span / 4, 1 => 0..=span];
+            let estimate = prop_oneof![3 => Just(1u64), 1 => 1..=count];
+            let cost = prop_oneof![2 => 0..=count, 1 => 0..=3 * count];
+            let after = prop_oneof![2 => Just(0usize), 2 => 1..=3usize];
+            let skew = prop_oneof![2 => Just(0i64), 3 => -20 * HOUR as i64..=20 * HOUR as i64];
+            (
+                Just((zone, unit)),
+                Just(count),
+                946_684_800_000_000u64..=2_208_988_800_000_000,
+                prop::collection::vec((gap, estimate, cost, after, skew), 1..=60),
+                0..=span,
+            )
+        })
+    ) {
+        mirror_settlements(&calendar_algorithm(&zone, unit, count), start, &steps, tail)?;
     }
 }

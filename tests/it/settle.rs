@@ -3,7 +3,8 @@
 //! `Retry-After`) or less; a cost trailer over HTTP/1.1 chunked and over HTTP/2; statuses that
 //! give the whole charge back (the upstream's and tollgate's own); a missing or unparsable
 //! value that keeps the estimate and is counted; the same in a real Redis, at one script call
-//! per settlement and none when the cost is the estimate.
+//! per settlement and none when the cost is the estimate; window limits too (a calendar day's
+//! token quota in debt until local midnight; fixed and sliding windows in Redis).
 
 use std::time::Duration;
 
@@ -296,6 +297,148 @@ async fn global_settlements_take_one_script_call_and_owe_in_redis() {
         }
         assert_eq!(settled(&g, "usage", "charged"), 14.0, "{algorithm}");
         assert_eq!(settled(&g, "usage", "refunded"), 1.0, "{algorithm}");
+        redis.cli(&["FLUSHALL"]);
+    }
+}
+
+/// A window limit settled from `x-usage`: `rate: 100/1d` (with `extra` lines such as
+/// `align: calendar`), estimate `cost`, keyed by `x-key`.
+fn window_tokens(algorithm: &str, extra: &str, cost: u64, scope: &str) -> String {
+    format!(
+        "      - name: tokens\n        key: [header:x-key]\n        algorithm: {algorithm}\n        rate: 100/1d\n{extra}        cost: {cost}\n        scope: {scope}\n        settle:\n          cost_header: x-usage\n          refund_status: [500-599]\n"
+    )
+}
+
+/// The LLM gateway's daily token quota: a local calendar fixed_window (a day of Berlin, 23
+/// hours long on 2024-03-31) settled from the cost header goes into debt, and its next request
+/// gets 429 with `Retry-After` to the next local midnight, exact to the second; the new day
+/// starts from 0. A response cheaper than the estimate gives the difference back.
+#[tokio::test]
+async fn a_calendar_token_quota_in_debt_refuses_until_local_midnight() {
+    use jiff::Timestamp;
+    use tollgate::limit::clock::ManualClock;
+    let micros = |t: &str| u64::try_from(t.parse::<Timestamp>().unwrap().as_microsecond()).unwrap();
+    let noon = micros("2024-03-31T10:00:00Z"); // 12:00 CEST
+    let midnight = micros("2024-03-31T22:00:00Z"); // 00:00 CEST, 12 hours later
+    let up = Upstream::start().await;
+    let limit = "      - name: tokens\n        key: [header:x-key]\n        algorithm: fixed_window\n        align: calendar\n        timezone: Europe/Berlin\n        rate: 1000000/1d\n        cost: 500\n        settle:\n          cost_header: x-usage\n";
+    let clock = std::sync::Arc::new(ManualClock::new(noon));
+    let g =
+        Gateway::start_with_clock(&yaml(None, &[("usage", &up.url())], limit), clock.clone()).await;
+    // 500 charged, 1 200 000 used: 200 000 over the day's million.
+    assert_eq!(get(&g, "/usage?n=1200000", "k").await.status(), 200);
+    let s = state(&g, "usage", "k").await;
+    assert_eq!(
+        (&s["remaining"], &s["reset_after_ms"]),
+        (&0.into(), &43_200_000.into())
+    );
+    clock.advance(1_000_000);
+    let r = get(&g, "/usage?n=1", "k").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "43199");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["retry_after_ms"], 43_199_000);
+    clock.set(midnight - 1);
+    assert_eq!(get(&g, "/usage?n=1", "k").await.status(), 429);
+    // The next day starts from 0: its first request is charged its estimate, then 1 given back.
+    clock.set(midnight);
+    assert_eq!(get(&g, "/usage?n=1", "k").await.status(), 200);
+    assert_eq!(state(&g, "usage", "k").await["remaining"], 999_999);
+    assert_eq!(settled(&g, "usage", "charged"), 1_199_500.0);
+    assert_eq!(settled(&g, "usage", "refunded"), 499.0);
+}
+
+/// Seconds from `now` (the wall clock, as Redis's) to the end of its window: a UTC day, or a
+/// Berlin day.
+fn to_window_end(now: std::time::SystemTime, calendar: bool) -> f64 {
+    let now = jiff::Timestamp::try_from(now).unwrap();
+    let end = if calendar {
+        let tz = jiff::tz::TimeZone::get("Europe/Berlin").unwrap();
+        let today = now.to_zoned_datetime(tz.clone()).date();
+        today
+            .tomorrow()
+            .unwrap()
+            .to_zoned_datetime(tz)
+            .unwrap()
+            .timestamp()
+    } else {
+        let day = 86_400_000_000i64;
+        jiff::Timestamp::from_microsecond((now.as_microsecond() / day + 1) * day).unwrap()
+    };
+    (end.as_microsecond() - now.as_microsecond()) as f64 / 1e6
+}
+
+/// Window limits in Redis: one script call per settlement and none when the cost is the
+/// estimate; a refund status gives the charge back; a debt refuses the key's next request
+/// until the window's end (fixed_window, epoch and calendar) or until the weighted count has
+/// room (sliding_window), with the Retry-After those give on Redis's clock.
+#[tokio::test]
+async fn global_window_settlements_take_one_script_call_and_owe_in_redis() {
+    let up = Upstream::start().await;
+    let redis = RedisServer::start();
+    let cases = [
+        ("fixed_window", ""),
+        (
+            "fixed_window",
+            "        align: calendar\n        timezone: Europe/Berlin\n",
+        ),
+        ("sliding_window", ""),
+    ];
+    for (algorithm, extra) in cases {
+        let calendar = !extra.is_empty();
+        // The requests below must fall in one window: not within 10 s of its end.
+        let left = to_window_end(std::time::SystemTime::now(), calendar);
+        if left < 10.0 {
+            tokio::time::sleep(Duration::from_secs_f64(left + 1.0)).await;
+        }
+        let g = Gateway::start(&yaml(
+            Some(&redis.url()),
+            &[("usage", &up.url())],
+            &window_tokens(algorithm, extra, 1, "global"),
+        ))
+        .await;
+        let case = format!("{algorithm} {extra:?}");
+        assert_eq!(get(&g, "/usage?n=1", "warm").await.status(), 200);
+        let before = fcalls_reach(&redis, 0).await;
+        assert_eq!(get(&g, "/usage?n=1", "same").await.status(), 200);
+        assert_eq!(fcalls_reach(&redis, before + 1).await, before + 1, "{case}");
+        assert_eq!(get(&g, "/usage?status=500", "back").await.status(), 500);
+        assert_eq!(fcalls_reach(&redis, before + 3).await, before + 3, "{case}");
+        assert_eq!(state(&g, "usage", "back").await["remaining"], 100, "{case}");
+        // 130 used on an estimate of 1: 30 over the day's 100.
+        assert_eq!(get(&g, "/usage?n=130", "k").await.status(), 200);
+        assert_eq!(fcalls_reach(&redis, before + 6).await, before + 6, "{case}");
+        let sent = std::time::SystemTime::now();
+        let r = get(&g, "/usage?n=1", "k").await;
+        let answered = std::time::SystemTime::now();
+        assert_eq!(r.status(), 429, "{case}");
+        let retry: f64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let (early, late) = (
+            to_window_end(answered, calendar),
+            to_window_end(sent, calendar),
+        );
+        let (early, late) = if algorithm == "sliding_window" {
+            // 130 in this window: 1 more fits once their weight in the next is 99, i.e. a
+            // day × (1 - 99/130) into it.
+            let e = 86_400.0 * (1.0 - 99.0 / 130.0);
+            (early + e, late + e)
+        } else {
+            (early, late)
+        };
+        assert!(
+            retry >= early.floor() && retry <= late.ceil() + 1.0,
+            "{case}: Retry-After {retry}, expected between {early} and {late}"
+        );
+        assert_eq!(state(&g, "usage", "k").await["remaining"], 0, "{case}");
+        // Another key under the count: charged its true cost, 10.
+        assert_eq!(get(&g, "/usage?n=10", "j").await.status(), 200);
+        assert_eq!(state(&g, "usage", "j").await["remaining"], 90, "{case}");
+        assert_eq!(settled(&g, "usage", "charged"), 138.0, "{case}");
+        assert_eq!(settled(&g, "usage", "refunded"), 1.0, "{case}");
         redis.cli(&["FLUSHALL"]);
     }
 }

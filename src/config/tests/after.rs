@@ -193,6 +193,40 @@ fn settle_and_its_fields() {
     );
 }
 
+/// Every rate algorithm settles, strict or local: the window algorithms too (a daily token
+/// quota on calendar days is the common case), global and local.
+#[test]
+fn settle_on_every_rate_algorithm() {
+    let quota = ok(&with_redis_limit(&[
+        "algorithm: fixed_window",
+        "rate: 1000000/1d",
+        "align: calendar",
+        "timezone: Europe/Berlin",
+        "cost: 500",
+        "settle: { cost_header: x-usage-tokens }",
+    ]));
+    let l = &quota.routes[0].limits[0];
+    assert_eq!(l.algorithm, AlgorithmKind::FixedWindow);
+    assert_eq!(l.scope, Scope::Global);
+    assert_eq!(
+        l.settle
+            .as_ref()
+            .and_then(|s| s.cost_header.as_ref())
+            .map(|h| h.as_str()),
+        Some("x-usage-tokens")
+    );
+    for algorithm in ["gcra", "fixed_window", "sliding_window", "sliding_log"] {
+        let alg = format!("algorithm: {algorithm}");
+        for file in [
+            with_limit(&[&alg, "rate: 10/s", "settle: { refund_status: 503 }"]),
+            with_redis_limit(&[&alg, "rate: 10/s", "settle: { refund_status: 503 }"]),
+        ] {
+            let cfg = ok(&file);
+            assert!(cfg.routes[0].limits[0].settle.is_some(), "{algorithm}");
+        }
+    }
+}
+
 #[test]
 fn settle_refusals() {
     assert_err(
@@ -201,21 +235,6 @@ fn settle_refusals() {
         17,
         "settle needs cost_header",
     );
-    for (algorithm, fragment) in [
-        (
-            "fixed_window",
-            "fixed_window forgets its count at each window's end",
-        ),
-        ("sliding_window", "sliding_window forgets its count"),
-    ] {
-        let alg = format!("algorithm: {algorithm}");
-        assert_err(
-            &with_limit(&[&alg, "rate: 1/s", "settle: { refund_status: 503 }"]),
-            8,
-            17,
-            fragment,
-        );
-    }
     assert_err(
         &with_limit(&[SLOTS, "max_in_flight: 1", "settle: { refund_status: 503 }"]),
         8,
@@ -232,6 +251,22 @@ fn settle_refusals() {
         17,
         "consistency: eventual exchanges counts",
     );
+    // Eventual on the window algorithms too (sliding_log and calendar windows are decided as
+    // strict anyway, with a warning, and settle there).
+    for algorithm in ["fixed_window", "sliding_window"] {
+        let alg = format!("algorithm: {algorithm}");
+        assert_err(
+            &with_redis_limit(&[
+                &alg,
+                "rate: 1/s",
+                "consistency: eventual",
+                "settle: { refund_status: 503 }",
+            ]),
+            11,
+            17,
+            "consistency: eventual exchanges counts",
+        );
+    }
     assert_err(
         &with_limit(&["rate: 1/s", "settle: { refund_status: [500-99] }"]),
         7,

@@ -82,9 +82,10 @@ impl FixedWindow {
     }
 
     /// `(window start, time left in the window)`; for epoch windows the latter is
-    /// `ws + P - now` written so that it cannot overflow.
+    /// `ws + P - now` written so that it cannot overflow. Also what a settlement finds the
+    /// current window with (`settle.rs`).
     #[inline]
-    fn window(&self, now: Micros) -> (Micros, Micros) {
+    pub(super) fn window(&self, now: Micros) -> (Micros, Micros) {
         match &self.windows {
             Windows::Epoch { period } => {
                 let into = now % period;

@@ -2,25 +2,36 @@
 //! and the estimate charged at admission, charged or given back on the same state.
 //!
 //! A settlement is accounted **as if the true cost had been charged at admission** (`at`, on
-//! the clock that decided it): gcra moves the TAT by the difference (from no earlier than the
-//! admission's own TAT, `at + estimate × T`, so a key that expired meanwhile is charged as the
-//! request would have been); the sliding log changes the request's own entry, at `at`. Either
-//! may leave the key **in debt**, beyond what an admission could (gcra: a TAT past `now + tau`;
-//! the log: more than `count` live units), and then the key's next requests are rejected with
-//! the exact `Retry-After` the usual check computes, until the debt has drained: the consumer
-//! pays, not the next one.
+//! the clock that decided it), as far as the state still remembers the admission: gcra moves
+//! the TAT by the difference (from no earlier than the admission's own TAT, `at + estimate ×
+//! T`, so a key that expired meanwhile is charged as the request would have been); the sliding
+//! log changes the request's own entry, at `at`; the window algorithms move the count of the
+//! window `at` fell in: fixed_window's current window, sliding_window's current or previous one
+//! (whose count the weighted estimate still reads). Any of them may leave the key **in debt**,
+//! beyond what an admission could (gcra: a TAT past `now + tau`; the log or a window: more than
+//! `count` units), and then the key's next requests are rejected with the exact `Retry-After`
+//! the usual check computes (for a fixed window, its end), until the debt has drained: the
+//! consumer pays, not the next one.
+//!
+//! What a window does once the admission's window is over: a fixed window no longer holds
+//! its units, so a refund has nothing to give back, and a charge goes into the **current**
+//! window (the consumer still pays, in the window they are now spending from; that window's
+//! count is then `count` plus what was carried into it). A sliding window's previous count
+//! is part of its estimate, so a settlement of a request admitted there moves it; one older
+//! than that is no longer counted, and changes nothing.
 //!
 //! The bound this keeps, tested below for any sequence: of requests made one after another,
 //! each settled before the next is admitted, the true cost admitted in any window of `period`
-//! is at most the algorithm's bound plus the window's largest single settlement (the last
-//! request admitted in the window cannot have paid its own). With `k` requests in flight at
-//! once, the `k` largest.
-//!
-//! The window algorithms are not settled: a fixed (or sliding) window forgets its count at the
-//! window's end, so a debt would be forgiven there, and the bound above would not hold; config
-//! validation refuses `settle` on them.
+//! (for the window algorithms, also in any aligned window, calendar windows included) is at
+//! most the algorithm's bound plus the window's largest single settlement (the last request
+//! admitted in the window cannot have paid its own). With `k` requests in flight at once, the
+//! `k` largest. A fixed window forgets a debt at its end (that is its bound: per window); the
+//! others keep it until it has drained.
 
-use super::{Algorithm, Gcra, GcraState, LogState, Micros, SlidingLog, State};
+use super::{
+    Algorithm, FixedWindow, Gcra, GcraState, LogState, Micros, SlidingLog, SlidingState,
+    SlidingWindow, State, WindowState,
+};
 
 /// A settlement: the request charged `estimate` at `at`; its true cost is `estimate + delta`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,7 +47,7 @@ pub struct Settlement {
 impl Algorithm {
     /// Whether a settlement can be accounted on this algorithm's state (see the module doc).
     pub fn can_settle(&self) -> bool {
-        matches!(self, Algorithm::Gcra(_) | Algorithm::SlidingLog(_))
+        !matches!(self, Algorithm::Concurrency(_))
     }
 
     /// Applies `s` to `state` at `now`; returns the state's new `full_at` (when it may be
@@ -51,6 +62,14 @@ impl Algorithm {
             (Algorithm::SlidingLog(l), State::SlidingLog(st)) => {
                 settle_log(l, st, s, now);
                 Some(l.full_at(st))
+            }
+            (Algorithm::FixedWindow(f), State::FixedWindow(st)) => {
+                settle_window(f, st, s, now);
+                Some(f.full_at(st))
+            }
+            (Algorithm::SlidingWindow(w), State::SlidingWindow(st)) => {
+                settle_sliding(w, st, s, now);
+                Some(w.full_at(st))
             }
             _ => None,
         }
@@ -104,6 +123,64 @@ pub fn settle_log(l: &SlidingLog, state: &mut LogState, s: Settlement, now: Micr
         }
         Err(_) => {}
     }
+}
+
+/// Fixed window (epoch or calendar): the count of the window holding `now` moves by `delta`.
+/// A charge goes there whichever window `at` was in (the admission's, still current; or, once
+/// that one is over, the current one: the consumer pays in the window they now spend from),
+/// and a count of an older window is read as 0 first. A refund gives back only while the
+/// admission's window is the current one (`at` at or after its start), never below 0; once
+/// that window is over its units count no more, and there is nothing to give back.
+pub fn settle_window(f: &FixedWindow, state: &mut WindowState, s: Settlement, now: Micros) {
+    let (ws, _) = f.window(now);
+    let counted = if state.start == ws { state.count } else { 0 };
+    let units = s.delta.unsigned_abs();
+    let count = if s.delta > 0 {
+        counted.saturating_add(units)
+    } else if s.delta < 0 && s.at >= ws && counted > 0 {
+        counted - units.min(counted)
+    } else {
+        return;
+    };
+    *state = WindowState { start: ws, count };
+}
+
+/// Sliding window: the counters rolled to the window holding `now`, then the one `at` fell in
+/// moves by `delta`: `curr` when that is the current window, `prev` when it is the one before
+/// (whose count the weighted estimate still reads), never below 0; an admission older than
+/// that (or one no aligned window of the state holds) is no longer counted, and nothing
+/// changes.
+pub fn settle_sliding(w: &SlidingWindow, state: &mut SlidingState, s: Settlement, now: Micros) {
+    let period = w.quota().period.max(1);
+    let ws = now - now % period;
+    let (mut prev, mut curr) = if state.start == ws {
+        (state.prev, state.curr)
+    } else if state.start.checked_add(period) == Some(ws) {
+        (state.curr, 0)
+    } else {
+        (0, 0)
+    };
+    let admitted_in = s.at - s.at % period;
+    let counter = if admitted_in == ws {
+        &mut curr
+    } else if admitted_in.checked_add(period) == Some(ws) {
+        &mut prev
+    } else {
+        return;
+    };
+    let units = s.delta.unsigned_abs();
+    if s.delta > 0 {
+        *counter = counter.saturating_add(units);
+    } else if s.delta < 0 && *counter > 0 {
+        *counter -= units.min(*counter);
+    } else {
+        return;
+    }
+    *state = SlidingState {
+        start: ws,
+        curr,
+        prev,
+    };
 }
 
 #[cfg(test)]
@@ -186,8 +263,13 @@ mod tests {
     /// Admits and settles the sequence (each request settled before the next is admitted);
     /// returns per admitted request `(at, true cost, delta)`.
     fn run(alg: &Algorithm, steps: &[Step]) -> Vec<(Micros, u64, i64)> {
+        run_from(alg, 0, steps)
+    }
+
+    /// [`run`] from the instant `start`.
+    fn run_from(alg: &Algorithm, start: Micros, steps: &[Step]) -> Vec<(Micros, u64, i64)> {
         let mut st = alg.new_state();
-        let mut now = 0;
+        let mut now = start;
         let mut admitted = Vec::new();
         for w in 0..steps.len() {
             let (gap, estimate, cost, when) = steps[w];
@@ -229,7 +311,235 @@ mod tests {
         worst
     }
 
+    /// The largest true cost of the requests admitted in one aligned window (`window_of` maps
+    /// an instant to its window's start), minus that window's largest positive settlement.
+    fn worst_window(admitted: &[(Micros, u64, i64)], window_of: impl Fn(Micros) -> Micros) -> u64 {
+        let mut per: std::collections::BTreeMap<Micros, (u64, u64)> = Default::default();
+        for &(t, cost, delta) in admitted {
+            let e = per.entry(window_of(t)).or_default();
+            e.0 += cost;
+            e.1 = e.1.max(delta.max(0) as u64);
+        }
+        per.values()
+            .map(|&(total, largest)| total.saturating_sub(largest))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn settle(alg: &Algorithm, st: &mut State, at: Micros, estimate: u64, delta: i64, now: Micros) {
+        alg.settle(
+            st,
+            Settlement {
+                at,
+                estimate,
+                delta,
+            },
+            now,
+        );
+    }
+
+    fn window(st: &State) -> WindowState {
+        match st {
+            State::FixedWindow(w) => *w,
+            _ => unreachable!(),
+        }
+    }
+
+    fn sliding(st: &State) -> SlidingState {
+        match st {
+            State::SlidingWindow(w) => *w,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_fixed_window_in_debt_refuses_until_its_end() {
+        let alg = Algorithm::FixedWindow(FixedWindow::new(quota()));
+        let mut st = alg.new_state();
+        // 10 per second; 1 charged at 100ms, 15 used: 5 over, until the window ends at 1s.
+        alg.commit(&mut st, 100_000, 1);
+        settle(&alg, &mut st, 100_000, 1, 14, 150_000);
+        assert_eq!(
+            window(&st),
+            WindowState {
+                start: 0,
+                count: 15
+            }
+        );
+        let r = alg.check(&st, 200_000, 1).unwrap_err();
+        assert_eq!((r.retry_after, r.remaining), (800_000, 0));
+        assert_eq!(alg.full_at(&st), 1_000_000);
+        // A refund gives back within the window, never below 0.
+        settle(&alg, &mut st, 100_000, 1, -12, 300_000);
+        assert_eq!(window(&st).count, 3);
+        settle(&alg, &mut st, 100_000, 1, -12, 300_000);
+        assert_eq!(window(&st).count, 0);
+        assert_eq!(alg.full_at(&st), 0, "a window counting nothing is full");
+        assert!(alg.check(&st, 1_000_000, 10).is_ok());
+    }
+
+    #[test]
+    fn a_fixed_window_carries_a_late_charge_into_the_current_window_and_drops_a_late_refund() {
+        let alg = Algorithm::FixedWindow(FixedWindow::new(quota()));
+        let mut st = alg.new_state();
+        alg.commit(&mut st, 900_000, 4);
+        // Settled at 1.1s: the admission's window is over. The charge is paid in the current
+        // one (the count of the old one is gone); a refund has nothing to give back.
+        settle(&alg, &mut st, 900_000, 4, -3, 1_100_000);
+        assert_eq!(window(&st), WindowState { start: 0, count: 4 });
+        settle(&alg, &mut st, 900_000, 4, 6, 1_100_000);
+        assert_eq!(
+            window(&st),
+            WindowState {
+                start: 1_000_000,
+                count: 6
+            }
+        );
+        assert_eq!(alg.peek(&st, 1_100_000).remaining, 4);
+        // Added to what the current window counts already.
+        alg.commit(&mut st, 1_200_000, 2);
+        settle(&alg, &mut st, 900_000, 4, 5, 1_300_000);
+        assert_eq!(window(&st).count, 13);
+        assert_eq!(
+            alg.check(&st, 1_300_000, 1).unwrap_err().retry_after,
+            700_000
+        );
+        // A refund of a request of this window still applies.
+        settle(&alg, &mut st, 1_200_000, 2, -2, 1_300_000);
+        assert_eq!(window(&st).count, 11);
+    }
+
+    #[test]
+    fn a_calendar_day_in_debt_refuses_until_local_midnight() {
+        use super::super::calendar::Unit;
+        // 2024-03-31 00:00 Europe/Berlin, a day of 23 hours.
+        const MIDNIGHT: Micros = 1_711_839_600_000_000;
+        const HOUR: Micros = 3_600_000_000;
+        let f = FixedWindow::calendar(
+            Quota {
+                count: 1_000_000,
+                period: Unit::Day.nominal(),
+                burst: 1_000_000,
+            },
+            super::super::Calendar::new(
+                Unit::Day,
+                jiff::tz::TimeZone::get("Europe/Berlin").unwrap(),
+            ),
+        );
+        let alg = Algorithm::FixedWindow(f);
+        let mut st = alg.new_state();
+        let at = MIDNIGHT + 20 * HOUR;
+        alg.commit(&mut st, at, 500);
+        settle(&alg, &mut st, at, 500, 1_200_000, at + 1_000_000);
+        let r = alg.check(&st, at + 2_000_000, 1).unwrap_err();
+        assert_eq!(r.retry_after, 3 * HOUR - 2_000_000);
+        assert!(alg.check(&st, MIDNIGHT + 23 * HOUR, 1).is_ok());
+        // Settled after midnight: paid in the new day.
+        settle(&alg, &mut st, at, 500, 7, MIDNIGHT + 23 * HOUR + 1);
+        assert_eq!(
+            window(&st),
+            WindowState {
+                start: MIDNIGHT + 23 * HOUR,
+                count: 7
+            }
+        );
+    }
+
+    #[test]
+    fn a_sliding_window_settles_the_current_or_the_previous_count() {
+        let alg = Algorithm::SlidingWindow(SlidingWindow::new(quota()));
+        let mut st = alg.new_state();
+        alg.commit(&mut st, 100_000, 2);
+        settle(&alg, &mut st, 100_000, 2, 10, 200_000);
+        assert_eq!(
+            sliding(&st),
+            SlidingState {
+                start: 0,
+                curr: 12,
+                prev: 0
+            }
+        );
+        // 12 in the window: in debt. At 1.5s prev weighs 12 × 0.5 = 6: 4 takeable.
+        assert!(alg.check(&st, 900_000, 1).is_err());
+        assert_eq!(alg.peek(&st, 1_500_000).remaining, 4);
+        // Admitted in what is now the previous window: prev moves (the estimate reads it).
+        alg.commit(&mut st, 1_500_000, 1);
+        settle(&alg, &mut st, 100_000, 2, -8, 1_600_000);
+        assert_eq!(
+            sliding(&st),
+            SlidingState {
+                start: 1_000_000,
+                curr: 1,
+                prev: 4
+            }
+        );
+        settle(&alg, &mut st, 100_000, 2, 6, 1_600_000);
+        assert_eq!(sliding(&st).prev, 10);
+        // Two windows back: no longer counted, nothing changes.
+        let before = st.clone();
+        settle(&alg, &mut st, 100_000, 2, 6, 2_100_000);
+        settle(&alg, &mut st, 100_000, 2, -6, 2_100_000);
+        assert_eq!(st, before);
+        // The current window's own, settled after the roll: curr of the new window.
+        settle(&alg, &mut st, 1_500_000, 1, 3, 2_100_000);
+        assert_eq!(
+            sliding(&st),
+            SlidingState {
+                start: 2_000_000,
+                curr: 0,
+                prev: 4
+            }
+        );
+    }
+
+    /// Calendar days of Berlin around 2024's clock changes, gaps of up to six hours.
+    fn calendar_steps() -> impl Strategy<Value = (Micros, Vec<Step>)> {
+        (
+            prop_oneof![
+                1_711_500_000_000_000u64..=1_712_000_000_000_000,
+                1_729_800_000_000_000u64..=1_730_300_000_000_000,
+            ],
+            proptest::collection::vec((0..21_600_000_000u64, 1..4u64, 0..12u64, 0..1000u64), 1..80),
+        )
+    }
+
     proptest! {
+        /// fixed_window: at most `count` plus the window's largest settlement in every
+        /// aligned window.
+        #[test]
+        fn a_fixed_window_admits_no_more_true_cost_than_its_count_plus_one_settlement(steps in steps()) {
+            let admitted = run(&Algorithm::FixedWindow(FixedWindow::new(quota())), &steps);
+            let period = quota().period;
+            prop_assert!(worst_window(&admitted, |t| t - t % period) <= quota().count);
+        }
+
+        /// The same on calendar days (23, 24 and 25 hours long).
+        #[test]
+        fn a_calendar_window_admits_no_more_true_cost_than_its_count_plus_one_settlement(
+            (start, steps) in calendar_steps()
+        ) {
+            use super::super::calendar::Unit;
+            let q = Quota { count: 10, period: Unit::Day.nominal(), burst: 10 };
+            let f = FixedWindow::calendar(
+                q,
+                super::super::Calendar::new(Unit::Day, jiff::tz::TimeZone::get("Europe/Berlin").unwrap()),
+            );
+            let admitted = run_from(&Algorithm::FixedWindow(f.clone()), start, &steps);
+            prop_assert!(worst_window(&admitted, |t| f.window(t).0) <= q.count);
+        }
+
+        /// sliding_window: at most `count` plus one settlement per aligned window, and its
+        /// hard bound over a closed period (`2 × count - ceil(count / period)`) plus the
+        /// period's largest settlement.
+        #[test]
+        fn a_sliding_window_admits_no_more_true_cost_than_its_bound_plus_one_settlement(steps in steps()) {
+            let q = quota();
+            let admitted = run(&Algorithm::SlidingWindow(SlidingWindow::new(q)), &steps);
+            prop_assert!(worst_window(&admitted, |t| t - t % q.period) <= q.count);
+            let hard = 2 * q.count - q.count.div_ceil(q.period);
+            prop_assert!(worst(&admitted, q.period, true) <= hard);
+        }
+
         /// gcra: at most `burst + floor(period / T)` (its bound) plus the window's largest
         /// settlement, in any closed window of a period.
         #[test]

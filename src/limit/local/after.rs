@@ -38,8 +38,9 @@ impl LocalStore {
     }
 
     /// Applies `s` to `key`'s state under `algorithm` (the rate its decision applied) at `now`.
-    /// A charge on a key no longer held (back to full and dropped) is charged as if from the
-    /// request's own admission; a refund on one has nothing to give back.
+    /// A charge on a key no longer held (back to full and dropped) is charged on a fresh state
+    /// as the algorithm settles one (gcra: as if from the request's own admission; a window:
+    /// into the current window); a refund on one has nothing to give back.
     pub fn settle(&self, algorithm: &Algorithm, key: &[u8], s: Settlement, now: Micros) {
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);

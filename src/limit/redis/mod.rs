@@ -641,7 +641,7 @@ impl RedisStore {
 
     /// After a response: `limit` (its `cost` the estimate charged at `at`, the instant its
     /// decision returned) really cost `delta` more (or less), charged or given back in one
-    /// script call (gcra and sliding_log; the key may go into debt). Whether the state changed.
+    /// script call (any rate algorithm; the key may go into debt). Whether the state changed.
     pub async fn settle(
         &self,
         limit: &GlobalLimit<'_>,
@@ -649,8 +649,29 @@ impl RedisStore {
         delta: i64,
         now_override: Option<Micros>,
     ) -> Result<bool, RedisError> {
+        self.settle_seen_from(
+            limit,
+            at,
+            delta,
+            now_override,
+            script::instance_now(now_override),
+        )
+        .await
+    }
+
+    /// [`RedisStore::settle`] with calendar windows sent around `instance_now` rather than this
+    /// instance's clock (tests of the skew the script absorbs, as
+    /// [`RedisStore::decide_seen_from`]).
+    pub async fn settle_seen_from(
+        &self,
+        limit: &GlobalLimit<'_>,
+        at: Micros,
+        delta: i64,
+        now_override: Option<Micros>,
+        instance_now: Micros,
+    ) -> Result<bool, RedisError> {
         self.inner.check_breaker()?;
-        let (keys, args) = script::settle_call(limit, at, delta, now_override)?;
+        let (keys, args) = script::settle_call(limit, at, delta, now_override, instance_now)?;
         let reply = self.inner.eval(Call::Settle, keys, args).await?;
         Ok(reply.first() == Some(&1))
     }

@@ -590,12 +590,16 @@ pub(super) fn renew_call(
 }
 
 /// KEYS and ARGV of one settle.lua call: `limit` (its `cost` the estimate) charged at `at`
-/// really cost `delta` more (or less, when negative).
+/// really cost `delta` more (or less, when negative). Calendar windows are sent around
+/// `instance_now`, as for a decision (not around `at`, as a refund's are): a settlement writes
+/// the window holding Redis's clock now, and tells the admission's window from it by `at`
+/// alone (the same window, or an earlier one).
 pub(super) fn settle_call(
     limit: &GlobalLimit<'_>,
     at: Micros,
     delta: i64,
     now_override: Option<Micros>,
+    instance_now: Micros,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
     let bound = MAX_PARAM as i64;
     let mut args = vec![
@@ -604,7 +608,7 @@ pub(super) fn settle_call(
         now_arg(Some(at))?,
         delta.clamp(-bound, bound),
     ];
-    push_limit(&mut args, limit, 0, at)?;
+    push_limit(&mut args, limit, 0, instance_now)?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 

@@ -97,9 +97,9 @@ end
 -- Each algorithm: load(l) -> state; check(l, s, now) -> admitted, remaining, reset_after,
 -- retry_after_or_delay; commit(l, s, now, floor_ms) writes what check decided;
 -- peek(l, s, now) -> remaining, reset_after; refund(l, at, now, floor_ms) undoes one commit
--- made at `at`; gcra and sliding_log also settle(l, at, delta, now, floor_ms) -> 1|0: the
--- request charged `l.cost` at `at` really cost `l.cost + delta` (src/limit/algorithm/settle.rs,
--- which it mirrors).
+-- made at `at`; the rate algorithms (1 to 5) also settle(l, at, delta, now, floor_ms) -> 1|0:
+-- the request charged `l.cost` at `at` really cost `l.cost + delta` (src/limit/algorithm/
+-- settle.rs, which it mirrors).
 local ALG = {}
 
 -- A script's body runs on every call, so the algorithms are built on first use: defining
@@ -268,6 +268,29 @@ BUILD[2] = function(code)
       end
       return 1
     end,
+    -- The count of the window holding `now` moves by delta: a charge whatever window `at` was
+    -- in (once the admission's window is over, the consumer pays in the current one), a refund
+    -- only while `at`'s window is the current one, never below 0. For 5 the windows are sent
+    -- around the instance's clock at the settlement, so `now`'s is among them.
+    settle = function(l, at, delta, now, floor_ms)
+      local s = alg.load(l)
+      local ws, to_end = window_of(l, s, now)
+      local c = (s.start == ws) and s.count or 0
+      if delta > 0 then
+        c = c + delta
+      elseif delta < 0 and at >= ws and c > 0 then
+        c = math.max(0, c + delta)
+      else
+        return 0
+      end
+      if c == 0 then
+        redis.call('DEL', l.keys[1])
+        return 1
+      end
+      redis.call('HSET', l.keys[1], 's', fmt(ws), 'c', fmt(c))
+      expire(l.keys, now + to_end, now, floor_ms)
+      return 1
+    end,
   }
   ALG[code] = alg
 end
@@ -430,6 +453,55 @@ BUILD[3] = function()
         redis.call('HSET', l.keys[1], 'c', fmt(s.curr), 'p', fmt(s.prev))
         expire(l.keys, full_at, now, floor_ms)
       end
+      return 1
+    end,
+    -- The counters rolled to `now`'s window, then the one holding `at` moves by delta: curr
+    -- (admitted in this window) or prev (in the one before, which the estimate still reads),
+    -- never below 0. An older admission is no longer counted: nothing changes.
+    settle = function(l, at, delta, now, floor_ms)
+      if delta == 0 then
+        return 0
+      end
+      local s = ALG[3].load(l)
+      local ws = window(s.period, now)
+      local prev, curr = 0, 0
+      if s.start == ws then
+        prev, curr = s.prev, s.curr
+      elseif s.start + s.period == ws then
+        prev, curr = s.curr, 0
+      end
+      local admitted_in = window(s.period, at)
+      if admitted_in == ws then
+        if delta > 0 then
+          curr = curr + delta
+        elseif curr > 0 then
+          curr = math.max(0, curr + delta)
+        else
+          return 0
+        end
+      elseif admitted_in + s.period == ws then
+        if delta > 0 then
+          prev = prev + delta
+        elseif prev > 0 then
+          prev = math.max(0, prev + delta)
+        else
+          return 0
+        end
+      else
+        return 0
+      end
+      local full_at = 0
+      if curr > 0 then
+        full_at = ws + 2 * s.period
+      elseif prev > 0 then
+        full_at = ws + s.period
+      end
+      if full_at <= now then
+        redis.call('DEL', l.keys[1])
+        return 1
+      end
+      redis.call('HSET', l.keys[1], 's', fmt(ws), 'c', fmt(curr), 'p', fmt(prev))
+      expire(l.keys, full_at, now, floor_ms)
       return 1
     end,
   }

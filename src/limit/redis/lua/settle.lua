@@ -1,7 +1,7 @@
 -- settle.lua: after a response, charges or gives back the difference between a request's
--- true cost and the estimate its decision charged, on the same key (gcra and sliding_log; see
--- lib.lua's settle functions and src/limit/algorithm/settle.rs, which they mirror). Sent as
--- `gcra.lua .. lib.lua .. settle.lua`.
+-- true cost and the estimate its decision charged, on the same key (the rate algorithms, 1 to
+-- 5; see lib.lua's settle functions and src/limit/algorithm/settle.rs, which they mirror).
+-- Sent as `gcra.lua .. lib.lua .. settle.lua`.
 --
 -- KEYS:  the limit's keys, as for decide.lua
 -- ARGV:  [1] now override in µs, or -1 for the server clock (TIME)
@@ -9,6 +9,8 @@
 --        [3] the `now` the decide call returned (the instant the estimate was charged at)
 --        [4] delta: true cost minus the estimate (> 0 charges more, < 0 gives back)
 --        then 6: algo, count, period, burst, cost (the estimate), max_delay
+--        (and for algo 5 the four calendar window bounds around the instance's clock now, as
+--        for decide.lua: the window a settlement writes is the one holding Redis's `now`)
 -- Returns 1 if the key's state changed, 0 if there was nothing to settle.
 
 local now = clock(ARGV[1])
