@@ -18,6 +18,7 @@ pub(crate) mod pipeline;
 pub(crate) mod raw_upstream;
 pub(crate) mod request_id;
 pub(crate) mod response;
+mod slot_wait;
 pub(crate) mod tunnels;
 
 use std::net::SocketAddr;
@@ -57,12 +58,17 @@ impl Gateway {
     /// Phase 3, the limits' answer for a routed request: leave to forward (after an optional
     /// wait, the caller's, so each codec can notice a client leaving in its own way), or why
     /// not (429, 503, the `on_missing: reject` 429).
+    ///
+    /// A request refused only for lack of a concurrency slot that may wait for one waits here,
+    /// in its key's line (`slot_wait`), until it is admitted, `max_delay` passes, or `gone`
+    /// resolves (the codec's sign that the client left: then `ClientGone`).
     pub(crate) async fn admit<'r>(
         &self,
         rt: &ConfigSnapshot,
         route: &'r Route,
         parts: &RequestParts<'_>,
         request_id: request_id::LogId<'_>,
+        gone: impl Future<Output = ()>,
     ) -> Result<Admitted<'r>, ProxyError> {
         #[cfg(feature = "panic-injection")]
         crate::panics::inject::request(parts.uri.path());
@@ -97,9 +103,37 @@ impl Gateway {
             on_error: rt.on_error,
             leases: rt.leases.as_ref(),
             allow_delay,
+            waited: 0,
             metrics: &self.metrics,
         };
-        let (verdict, mut held) = limits.evaluate_held(parts, &cx).await;
+        // Someone already waits for a slot of this request's key: it queues behind them
+        // undecided, not taking the slot one of them was woken for.
+        let busy = match limits.queue {
+            Some(_) if allow_delay => limits.busy_line(parts),
+            _ => None,
+        };
+        let (verdict, held) = match busy {
+            None => limits.evaluate_held(parts, &cx).await,
+            Some((limit, hash)) => (
+                Verdict::Queue {
+                    limit,
+                    rejection: crate::limit::algorithm::Rejection {
+                        retry_after: 0,
+                        remaining: 0,
+                        reset_after: 0,
+                    },
+                    hash,
+                },
+                Held::default(),
+            ),
+        };
+        let (verdict, mut held) = match verdict {
+            // Boxed: only requests that wait for a slot carry the wait's state.
+            Verdict::Queue { limit, hash, .. } => {
+                Box::pin(slot_wait::wait(self, route, parts, &cx, (limit, hash), gone)).await?
+            }
+            v => (v, held),
+        };
         if held.settles() {
             held.set_clock(self.clock.clone());
         }
@@ -124,6 +158,14 @@ impl Gateway {
                     rejection,
                 })
             }
+            // Not returned by a decision after the wait (it is made without room to wait).
+            Verdict::Queue {
+                limit, rejection, ..
+            } => Err(ProxyError::Limited {
+                limit,
+                rate: 0,
+                rejection,
+            }),
             Verdict::Unavailable { limit } => Err(ProxyError::LimiterUnavailable { limit }),
             Verdict::MissingKey { limit, part } => Err(ProxyError::MissingKey { limit, part }),
             Verdict::AmbiguousKey { limit, part } => Err(ProxyError::AmbiguousKey { limit, part }),

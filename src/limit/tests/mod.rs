@@ -77,6 +77,7 @@ fn context<'a, G>(
         on_error,
         leases: None,
         allow_delay: true,
+        waited: 0,
         metrics,
     }
 }

@@ -275,7 +275,15 @@ async fn exchange(
         waiter,
         held,
     } = gateway
-        .admit(rt, route, &parts, request_id::LogId(id.as_bytes()))
+        .admit(
+            rt,
+            route,
+            &parts,
+            request_id::LogId(id.as_bytes()),
+            // hyper drops this future when the client goes (an HTTP/2 stream reset, a closed
+            // connection): a wait for a slot ends with it.
+            std::future::pending(),
+        )
         .await?;
     // Until the exchange ends: the response body sent, or dropped (see `guarded`).
     end.hold(held);

@@ -9,6 +9,7 @@ use http::uri::Scheme;
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
 
 use super::client::exchange;
+use super::conn::client_gone;
 use super::framing::Framing;
 use super::head::{self, Field, RequestHead, ResponseHead};
 use super::relay::{Pump, relay, relay_duplex};
@@ -138,7 +139,12 @@ impl<S: ClientIo> Conn<S> {
             route: &route.name,
             peer_trusted: crate::key::client_ip::peer_trusted(peer_ip, &rt.trusted_proxies),
         };
-        let admitted = match self.gateway.admit(rt, route, &parts, rid.log(bytes)).await {
+        let gone = client_gone(&mut self.client, &mut self.rbuf);
+        let admitted = match self
+            .gateway
+            .admit(rt, route, &parts, rid.log(bytes), gone)
+            .await
+        {
             Ok(a) => a,
             Err(e) => return self.fail(&e, end, head, bytes, rid).await,
         };
