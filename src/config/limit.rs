@@ -317,10 +317,7 @@ fn delay(
     }
     // gcra reserves a future time; a concurrency limit queues for a slot (first come, first
     // served, up to max_delay). A window or log has neither.
-    if !matches!(
-        algorithm,
-        AlgorithmKind::Gcra | AlgorithmKind::Concurrency
-    ) {
+    if !matches!(algorithm, AlgorithmKind::Gcra | AlgorithmKind::Concurrency) {
         return Err(Invalid::new(
             at(t),
             format!(

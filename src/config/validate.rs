@@ -17,7 +17,8 @@ use super::limit;
 use super::rate::parse_duration;
 use super::raw::{OneOrMany, RawConfig, RawLimit, RawMatch, RawRoute, RawServer, RawTls, Text};
 use super::types::{
-    Config, LimitConfig, ListenerTls, OnLimit, PathMatch, RouteConfig, RouteMatch, ServerConfig, UpstreamCa,
+    Config, LimitConfig, ListenerTls, OnLimit, PathMatch, RouteConfig, RouteMatch, ServerConfig,
+    UpstreamCa,
 };
 use super::{Invalid, Pos};
 

@@ -575,13 +575,7 @@ impl LeaseBook {
         self.send_release(entry.key, id, entry.metrics, entry.wake);
     }
 
-    fn send_release(
-        &self,
-        key: String,
-        id: u64,
-        metrics: Option<SlotMetrics>,
-        wake: Option<Wake>,
-    ) {
+    fn send_release(&self, key: String, id: u64, metrics: Option<SlotMetrics>, wake: Option<Wake>) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             // No runtime (a test deciding outside one): the lease runs out by itself.
             return;

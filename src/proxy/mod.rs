@@ -130,7 +130,15 @@ impl Gateway {
         let (verdict, mut held) = match verdict {
             // Boxed: only requests that wait for a slot carry the wait's state.
             Verdict::Queue { limit, hash, .. } => {
-                Box::pin(slot_wait::wait(self, route, parts, &cx, (limit, hash), gone)).await?
+                Box::pin(slot_wait::wait(
+                    self,
+                    route,
+                    parts,
+                    &cx,
+                    (limit, hash),
+                    gone,
+                ))
+                .await?
             }
             v => (v, held),
         };

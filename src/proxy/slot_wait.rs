@@ -37,8 +37,7 @@ pub(super) async fn wait(
     let limits = &route.limits;
     let l = &limits.limits[limit];
     let place = l.store.queue.join(hash);
-    let deadline = tokio::time::Instant::from_std(cx.started)
-        + Duration::from_micros(l.max_delay);
+    let deadline = tokio::time::Instant::from_std(cx.started) + Duration::from_micros(l.max_delay);
     let global = l.scope == Scope::Global;
     let mut poll = tokio::time::interval_at(tokio::time::Instant::now() + GLOBAL_POLL, GLOBAL_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

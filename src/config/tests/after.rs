@@ -105,8 +105,18 @@ fn a_lease_is_at_least_a_second() {
 #[test]
 fn slots_queue_with_delay_and_are_not_eventual() {
     for yaml in [
-        with_limit(&[SLOTS, "max_in_flight: 1", "on_limit: delay", "max_delay: 1s"]),
-        with_redis_limit(&[SLOTS, "max_in_flight: 1", "on_limit: delay", "max_delay: 1s"]),
+        with_limit(&[
+            SLOTS,
+            "max_in_flight: 1",
+            "on_limit: delay",
+            "max_delay: 1s",
+        ]),
+        with_redis_limit(&[
+            SLOTS,
+            "max_in_flight: 1",
+            "on_limit: delay",
+            "max_delay: 1s",
+        ]),
     ] {
         let l = &ok(&yaml).routes[0].limits[0];
         assert_eq!(
@@ -173,7 +183,12 @@ routes:
         max_delay: 1s
       - use: slots
 ";
-    assert_err(shared, 16, 14, "concurrency limit `slots` cannot share a route");
+    assert_err(
+        shared,
+        16,
+        14,
+        "concurrency limit `slots` cannot share a route",
+    );
     // Two gcra delay limits still load, as before.
     let two = paced_and_slots("delay", "reject").replace(
         "        algorithm: concurrency\n        max_in_flight: 1\n",
