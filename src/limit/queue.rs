@@ -22,6 +22,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
+/// How often the first waiter for a global limit's slot asks Redis again, besides being woken
+/// by this instance's own releases: the longest another instance's release goes unnoticed,
+/// for one decision's script call per line (not per waiter) in that time.
+pub const GLOBAL_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// The lines of one concurrency limit's keys (kept in its [`LocalStore`](super::local::LocalStore),
 /// so it is carried over reloads and shared by the routes of a shared limit as the slots are).
 #[derive(Default)]

@@ -16,13 +16,9 @@ use super::Gateway;
 use super::error::ProxyError;
 use crate::config::Scope;
 use crate::key::RequestParts;
+use crate::limit::queue::GLOBAL_POLL;
 use crate::limit::{Context, Held, Limit, Verdict, micros};
 use crate::snapshot::Route;
-
-/// How often the first waiter for a global limit's slot asks Redis again, besides being woken
-/// by this instance's own releases: the longest another instance's release goes unnoticed,
-/// and one decision's script call per line (not per waiter) in that time.
-pub(crate) const GLOBAL_POLL: Duration = Duration::from_millis(50);
 
 /// Waits in the line `(limit, hash)` of `route` for the request `parts` first decided with
 /// `cx`, until a decision does not ask it to wait; `ClientGone` when `gone` resolves first.

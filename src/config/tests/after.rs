@@ -118,10 +118,25 @@ fn slots_queue_with_delay_and_are_not_eventual() {
             "max_delay: 1s",
         ]),
     ] {
-        let l = &ok(&yaml).routes[0].limits[0];
+        let cfg = ok(&yaml);
+        let l = &cfg.routes[0].limits[0];
         assert_eq!(
             (l.on_limit, l.max_delay),
             (OnLimit::Delay, Duration::from_secs(1))
+        );
+        let summary = crate::config::summary(&cfg);
+        assert!(
+            summary.contains(
+                "max_in_flight 1, SCOPE, waits for a slot up to 1s (first come, first served), then 429 with Retry-After 1s"
+                    .replace("SCOPE", &l.scope.to_string())
+                    .as_str()
+            ),
+            "{summary}"
+        );
+        assert_eq!(
+            summary.contains("other instances' within 50ms"),
+            l.scope == Scope::Global,
+            "{summary}"
         );
     }
     assert_err(
