@@ -139,13 +139,18 @@ impl<S: ClientIo> Conn<S> {
             route: &route.name,
             peer_trusted: crate::key::client_ip::peer_trusted(peer_ip, &rt.trusted_proxies),
         };
-        let gone = client_gone(&mut self.client, &mut self.rbuf);
-        let admitted = match self
-            .gateway
-            .admit(rt, route, &parts, rid.log(bytes), gone)
-            .await
-        {
+        let admitted = match self.gateway.admit(rt, route, &parts, rid.log(bytes)).await {
             Ok(a) => a,
+            Err(ProxyError::Queued(q)) => {
+                let gone = client_gone(&mut self.client, &mut self.rbuf);
+                let waited = self
+                    .gateway
+                    .wait_for_slot(rt, route, &parts, rid.log(bytes), q, gone);
+                match waited.await {
+                    Ok(a) => a,
+                    Err(e) => return self.fail(&e, end, head, bytes, rid).await,
+                }
+            }
             Err(e) => return self.fail(&e, end, head, bytes, rid).await,
         };
         // Held on this exchange's stack, beside its end guard: the slots go back when this
