@@ -419,6 +419,7 @@ mod tests {
             on_error: OnError::Allow,
             leases: None,
             allow_delay: true,
+            waited: 0,
             metrics,
         };
         let parts = crate::key::RequestParts {

@@ -315,17 +315,13 @@ fn delay(
         reject_only(max_delay_text, max_delay, warnings);
         return Ok((OnLimit::Reject, max_delay));
     }
-    if algorithm == AlgorithmKind::Concurrency {
-        return Err(Invalid::new(
-            at(t),
-            "on_limit: delay is not supported on a concurrency limit (a slot comes back when a request ends, not at a time that can be reserved): use on_limit: reject, whose 429 says Retry-After: retry_after",
-        ));
-    }
-    if algorithm != AlgorithmKind::Gcra {
+    // gcra reserves a future time; a concurrency limit queues for a slot (first come, first
+    // served, up to max_delay). A window or log has neither.
+    if !matches!(algorithm, AlgorithmKind::Gcra | AlgorithmKind::Concurrency) {
         return Err(Invalid::new(
             at(t),
             format!(
-                "on_limit: delay needs an algorithm that can reserve: gcra ({algorithm} cannot promise a future slot)"
+                "on_limit: delay needs an algorithm that can reserve: gcra ({algorithm} cannot promise a future slot), or a concurrency limit, which queues for a slot"
             ),
         ));
     }

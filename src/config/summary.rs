@@ -405,14 +405,21 @@ fn write_slots(
     } else {
         String::new()
     };
+    let refused = match l.on_limit {
+        OnLimit::Delay if !l.max_delay.is_zero() => format!(
+            "waits for a slot up to {} (first come, first served), then 429 with Retry-After {}",
+            DurationText(l.max_delay),
+            DurationText(slots.retry_after)
+        ),
+        _ => format!("429 with Retry-After {}", DurationText(slots.retry_after)),
+    };
     let _ = writeln!(
         out,
-        "  limit {}: key {}{on_missing}, concurrency, max_in_flight {}, {}, 429 with Retry-After {}, {}",
+        "  limit {}: key {}{on_missing}, concurrency, max_in_flight {}, {}, {refused}, {}",
         l.name,
         join(&l.key, "+"),
         slots.max_in_flight,
         l.scope,
-        DurationText(slots.retry_after),
         if l.shadow {
             "shadow (never rejects)"
         } else {
@@ -436,6 +443,13 @@ fn write_slots(
         "    {shadow}at most {} requests of one key in flight at once, {per}",
         slots.max_in_flight
     );
+    if l.on_limit == OnLimit::Delay && !l.max_delay.is_zero() && l.scope == Scope::Global {
+        let _ = writeln!(
+            out,
+            "    a waiter sees this instance's slots come back at once, other instances' within {} (its line's first waiter asks Redis again)",
+            DurationText(crate::limit::queue::GLOBAL_POLL)
+        );
+    }
     if let Some(used) = used {
         let _ = writeln!(out, "    {used}");
     }

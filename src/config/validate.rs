@@ -17,7 +17,8 @@ use super::limit;
 use super::rate::parse_duration;
 use super::raw::{OneOrMany, RawConfig, RawLimit, RawMatch, RawRoute, RawServer, RawTls, Text};
 use super::types::{
-    Config, LimitConfig, ListenerTls, PathMatch, RouteConfig, RouteMatch, ServerConfig, UpstreamCa,
+    Config, LimitConfig, ListenerTls, OnLimit, PathMatch, RouteConfig, RouteMatch, ServerConfig,
+    UpstreamCa,
 };
 use super::{Invalid, Pos};
 
@@ -318,19 +319,28 @@ fn route(
     }
     let mut limits = Vec::new();
     let mut seen_limits = HashMap::new();
+    let mut delays = Vec::new();
     for raw_limit in raw.limits.unwrap_or_default() {
-        if let Some(u) = raw_limit.value.use_.clone() {
-            limits.push(use_shared(raw_limit, &u, shared, &name, &mut seen_limits)?);
-            continue;
+        let lc = if let Some(u) = raw_limit.value.use_.clone() {
+            let lc = use_shared(raw_limit, &u, shared, &name, &mut seen_limits)?;
+            (lc, at(&u))
+        } else {
+            let pos = raw_limit.value.on_limit.as_ref().map_or(at(&raw_limit), at);
+            let lc = limit::limit(
+                raw_limit,
+                has_redis,
+                &name,
+                &mut seen_limits,
+                consumers,
+                warnings,
+            )?;
+            (lc, pos)
+        };
+        if lc.0.on_limit == OnLimit::Delay && !lc.0.shadow {
+            delays.push((lc.0.name.clone(), lc.0.concurrency.is_some(), lc.1));
+            one_wait(&delays)?;
         }
-        limits.push(limit::limit(
-            raw_limit,
-            has_redis,
-            &name,
-            &mut seen_limits,
-            consumers,
-            warnings,
-        )?);
+        limits.push(lc.0);
     }
     Ok(RouteConfig {
         name,
@@ -345,6 +355,31 @@ fn route(
             .map(|r| super::rejection::rejection(r, warnings))
             .transpose()?,
     })
+}
+
+/// A concurrency limit that queues for a slot (`on_limit: delay`) shares no route with another
+/// delay limit: a request would wait in line for a slot, then for the time a rate limit
+/// reserved, holding the slot meanwhile (or hold a reservation while in line), and neither
+/// `max_delay` would bound the sum; and two slot lines would each hold a place the other
+/// waits behind. Refused at the second of the two (`delays`: name, queues for a slot, where).
+fn one_wait(delays: &[(String, bool, super::Pos)]) -> Checked<()> {
+    let [.., (first, first_slots, _), (second, second_slots, pos)] = delays else {
+        return Ok(());
+    };
+    if !first_slots && !second_slots {
+        return Ok(());
+    }
+    let (slots, other) = if *second_slots {
+        (second, first)
+    } else {
+        (first, second)
+    };
+    Err(Invalid::new(
+        *pos,
+        format!(
+            "on_limit: delay on concurrency limit `{slots}` cannot share a route with another delay limit (`{other}`): a request would wait for a slot and for a reserved time in turn, holding one while it waits for the other, and no max_delay would bound the sum; use on_limit: reject on one of them"
+        ),
+    ))
 }
 
 /// `- use: NAME`: the top-level limit of that name, drawn on by this route. Alone in its entry:

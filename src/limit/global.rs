@@ -200,7 +200,7 @@ impl LimitSet {
             // Nothing was charged: the local limits report what they answered before.
             results.extend(self.local_indexes(spans).zip(local));
         }
-        self.conclude(&results)
+        self.conclude(&results, cx)
     }
 
     /// Step 1, the in-process tier: an enforced limit's key that Redis is known to reject now
@@ -234,7 +234,7 @@ impl LimitSet {
                 Tier::Known(r) if !l.shadow => {
                     self.tiers.in_process.inc();
                     self.tiers.in_process_duration.observe(started.elapsed());
-                    return Err(self.conclude(&[(i, Err(r))]));
+                    return Err(self.conclude(&[(i, Err(r))], cx));
                 }
                 Tier::Known(r) => results.push((i, Err(r))),
                 Tier::Ask(lead) => {
@@ -308,7 +308,7 @@ impl LimitSet {
         }
         results.extend(self.local_indexes(spans).zip(local));
         self.count_local(started);
-        Err(self.conclude(results))
+        Err(self.conclude(results, cx))
     }
 
     /// Step 3: every global limit the tier left, in one call; the store charges them only if
@@ -418,7 +418,11 @@ impl LimitSet {
                 let slots = l.slots()?;
                 let key = super::redis::redis_keys(&l.redis_key(&keys[s..e]), &l.rate(r).algorithm)
                     .swap_remove(0);
-                Some(book.pending(key, slots.lease(), l.metrics.slots.as_ref()))
+                let wake = (self.queue == Some(i)).then(|| super::held::Wake {
+                    store: std::sync::Arc::clone(&l.store),
+                    hash: l.store.key_hash(&keys[s..e]),
+                });
+                Some(book.pending(key, slots.lease(), l.metrics.slots.as_ref(), wake))
             })
             .collect()
     }
@@ -496,6 +500,6 @@ impl LimitSet {
         for &(i, ..) in to_store {
             self.limits[i].metrics.fallback.inc();
         }
-        self.conclude(&results)
+        self.conclude(&results, cx)
     }
 }

@@ -487,6 +487,23 @@ struct Entry {
     lease: Micros,
     renew_at: Instant,
     metrics: Option<SlotMetrics>,
+    wake: Option<Wake>,
+}
+
+/// The line of requests waiting for a slot of a lease's key in this instance (a queueing
+/// limit's, `on_limit: delay`): woken once Redis has the lease back, so its first waiter asks
+/// when the slot is free there.
+pub(super) struct Wake {
+    /// The limit's store, whose `queue` holds the line.
+    pub(super) store: Arc<LocalStore>,
+    /// The key's hash there.
+    pub(super) hash: u64,
+}
+
+impl Wake {
+    fn wake(&self) {
+        self.store.queue.wake(self.hash);
+    }
 }
 
 /// Lease ids stay below 2^50, where Lua's doubles hold them exactly.
@@ -523,12 +540,14 @@ impl LeaseBook {
         self.len() == 0
     }
 
-    /// A lease about to be asked for on `key` (the limit's lease set), `lease` µs long.
+    /// A lease about to be asked for on `key` (the limit's lease set), `lease` µs long; `wake`:
+    /// the line woken when it is given back.
     pub(super) fn pending(
         self: &Arc<Self>,
         key: String,
         lease: Micros,
         metrics: Option<&SlotMetrics>,
+        wake: Option<Wake>,
     ) -> PendingLease {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         // Never 0: the scripts read 0 as "no lease".
@@ -539,6 +558,7 @@ impl LeaseBook {
             lease,
             book: Arc::clone(self),
             metrics: metrics.cloned(),
+            wake,
             settled: false,
         }
     }
@@ -552,10 +572,10 @@ impl LeaseBook {
         if let Some(m) = &entry.metrics {
             m.in_flight.dec();
         }
-        self.send_release(entry.key, id, entry.metrics);
+        self.send_release(entry.key, id, entry.metrics, entry.wake);
     }
 
-    fn send_release(&self, key: String, id: u64, metrics: Option<SlotMetrics>) {
+    fn send_release(&self, key: String, id: u64, metrics: Option<SlotMetrics>, wake: Option<Wake>) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             // No runtime (a test deciding outside one): the lease runs out by itself.
             return;
@@ -563,7 +583,12 @@ impl LeaseBook {
         let call = self.store.release(vec![(key, id)]);
         let errors = self.errors.clone();
         rt.spawn(async move {
-            match call.await {
+            let released = call.await;
+            // Given back (or not, and then it runs out): the first waiter asks either way.
+            if let Some(w) = wake {
+                w.wake();
+            }
+            match released {
                 Ok(held) => {
                     if held.first() == Some(&false)
                         && let Some(m) = metrics
@@ -650,6 +675,7 @@ pub(super) struct PendingLease {
     lease: Micros,
     book: Arc<LeaseBook>,
     metrics: Option<SlotMetrics>,
+    wake: Option<Wake>,
     settled: bool,
 }
 
@@ -672,6 +698,7 @@ impl PendingLease {
                 lease: self.lease,
                 renew_at: Instant::now() + half(self.lease),
                 metrics: self.metrics.take(),
+                wake: self.wake.take(),
             },
         );
         Lease {
@@ -689,8 +716,12 @@ impl PendingLease {
 impl Drop for PendingLease {
     fn drop(&mut self) {
         if !self.settled {
-            self.book
-                .send_release(std::mem::take(&mut self.key), self.id, None);
+            self.book.send_release(
+                std::mem::take(&mut self.key),
+                self.id,
+                None,
+                self.wake.take(),
+            );
         }
     }
 }

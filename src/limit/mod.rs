@@ -32,6 +32,7 @@ mod global;
 pub mod held;
 pub mod local;
 pub mod overrides;
+pub mod queue;
 pub mod redis;
 #[cfg(test)]
 mod tests;
@@ -476,6 +477,18 @@ pub enum Verdict {
         /// Its answer, which the headers and the body report.
         rejection: Rejection,
     },
+    /// Refused only for lack of a slot of the route's queueing concurrency limit (`on_limit:
+    /// delay`), with room among the route's waiters: the request may wait in its key's line
+    /// (`hash`, in the limit's [`LocalStore::queue`]) and be decided again when woken, or be
+    /// answered `rejection` (decided once more without room to wait, it is a [`Verdict::Reject`]). Nothing was charged or counted.
+    Queue {
+        /// Index of the concurrency limit in the route's limits.
+        limit: usize,
+        /// Its answer, should the request not wait (or wait in vain).
+        rejection: Rejection,
+        /// The key's hash in the limit's store: its line.
+        hash: u64,
+    },
     /// `on_missing: reject` and the named key part is absent.
     MissingKey {
         /// Index of the limit in the route's limits.
@@ -525,6 +538,9 @@ pub struct Context<'a, G = RedisStore> {
     pub leases: Option<&'a Arc<LeaseBook>>,
     /// `false` when the route's waiter cap is full: a request that would wait is rejected.
     pub allow_delay: bool,
+    /// How long the request has waited for a slot so far (0: it has not): a decision after a
+    /// slot wait counts the queueing limit's admission as `delayed`.
+    pub waited: Micros,
     /// Where Redis errors are counted (each limit counts its decisions in its own `metrics`).
     pub metrics: &'a Metrics,
 }
@@ -580,6 +596,9 @@ pub struct LimitSet {
     pub limits: Vec<Limit>,
     /// Whether any limit can reserve (so the proxy knows to count waiters).
     pub can_delay: bool,
+    /// The enforced concurrency limit with `on_limit: delay` (config allows one per route, and
+    /// no other delay limit beside it): requests it alone refuses wait in its key's line.
+    pub queue: Option<usize>,
     /// The in-process tier answers for this route's global limits. Off on a Redis Cluster
     /// for routes with several enforced global limits: their keys sit on different slots and
     /// are reserved then refunded, so Redis's answers can reflect units that are given back a
@@ -622,8 +641,12 @@ impl LimitSet {
                 .any(|p| matches!(p, crate::config::KeyPart::Header(_)))
                 || l.overrides.as_ref().is_some_and(|o| o.reads_headers)
         });
+        let queue = limits
+            .iter()
+            .position(|l| l.slots().is_some() && l.max_delay > 0 && !l.shadow);
         Self {
             has_overrides: limits.iter().any(|l| l.overrides.is_some()),
+            queue,
             tier_enabled: !(cluster && enforced_global > 1),
             reads_headers,
             has_eventual,
@@ -638,6 +661,29 @@ impl LimitSet {
     /// Whether the route has no limits (every request is admitted undecided).
     pub fn is_empty(&self) -> bool {
         self.limits.is_empty()
+    }
+
+    /// The queueing concurrency limit's line this request belongs in, when others wait in it:
+    /// a newcomer then takes a place behind them before it is decided, rather than the slot one
+    /// of them was woken for. `None` when no one waits for that limit (one atomic load), or its
+    /// key does not apply to this request (a part missing, or an override exempts it).
+    pub fn busy_line(&self, req: &RequestParts<'_>) -> Option<(usize, u64)> {
+        let i = self.queue?;
+        let l = &self.limits[i];
+        if l.store.queue.waiting() == 0 {
+            return None;
+        }
+        let mut key = crate::key::KeyBuf::new();
+        if !matches!(l.key.build(req, &mut key), KeyOutcome::Built) {
+            return None;
+        }
+        if let Some(o) = &l.overrides
+            && matches!(o.resolve(req, &key), Applied::Exempt)
+        {
+            return None;
+        }
+        let hash = l.store.key_hash(&key);
+        l.store.queue.busy(hash).then_some((i, hash))
     }
 
     /// Decides every limit for this request. Slots an admitted request takes are given back at
@@ -756,6 +802,11 @@ impl LimitSet {
             }
         }
         self.record_rejection(&verdict, keys, spans, now);
+        if let Verdict::Queue { limit, hash, .. } = &mut verdict
+            && let Some(&(_, s, e, _)) = spans.iter().find(|sp| sp.0 == *limit)
+        {
+            *hash = self.limits[*limit].store.key_hash(&keys[s..e]);
+        }
         let mut held = held;
         if !held.is_empty() && !matches!(verdict, Verdict::Admit { .. }) {
             held.release();
@@ -788,7 +839,7 @@ impl LimitSet {
         if spans.is_empty() {
             // Every limit was skipped (a key part missing, `on_missing: skip`): nothing decided,
             // so nothing is counted as a decision either.
-            return self.conclude(&Results::new());
+            return self.conclude(&Results::new(), cx);
         }
         if spans.iter().any(|s| self.limits[s.0].is_global()) {
             // Boxed: the Redis path's state is large (about 13 KB of fred futures); inline, it
@@ -805,7 +856,7 @@ impl LimitSet {
                 self.hold_local(keys, spans, cx, Limit::is_local, &verdicts, held);
             }
             self.count_local(started);
-            return self.conclude_each(self.local_indexes(spans).zip(verdicts.iter()));
+            return self.conclude_each(self.local_indexes(spans).zip(verdicts.iter()), cx);
         }
         // A request whose only limit is an eventual one: checked and charged at once.
         if let [(i, s, e, _)] = *spans
@@ -816,12 +867,12 @@ impl LimitSet {
             self.count_local(started);
             let mut results = Results::new();
             results.push((i, v.map(|snap| (snap, 0))));
-            return self.conclude(&results);
+            return self.conclude(&results, cx);
         }
         let mut results = Results::new();
         self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held);
         self.count_local(started);
-        self.conclude(&results)
+        self.conclude(&results, cx)
     }
 
     /// The slots of the concurrency limits `pick` selects that admitted (`verdicts`, one per
@@ -1048,31 +1099,46 @@ impl LimitSet {
     }
 
     /// [`LimitSet::conclude_each`] over collected results.
-    fn conclude(&self, results: &[(usize, LocalVerdict)]) -> Verdict {
-        self.conclude_each(results.iter().map(|(i, v)| (*i, v)))
+    fn conclude<G>(&self, results: &[(usize, LocalVerdict)], cx: &Context<'_, G>) -> Verdict {
+        self.conclude_each(results.iter().map(|(i, v)| (*i, v)), cx)
     }
 
     /// Policy after the decision, in one place: shadow rewrites a rejection into an admission,
     /// every decision is counted, and the most restrictive limit is picked for the headers.
     /// Takes the verdicts where they are (an iterator walked up to three times), so the local
     /// path need not copy them into one more list first.
-    fn conclude_each<'v>(
+    ///
+    /// A request refused only by the route's queueing concurrency limit, while the route's
+    /// waiters have room (`cx.allow_delay`), gets [`Verdict::Queue`], counted nowhere: it will
+    /// be decided again, and its last decision is the one counted. An admission after such a
+    /// wait (`cx.waited`) counts as that limit's `delayed`, with the wait as its delay.
+    fn conclude_each<'v, G>(
         &self,
         results: impl Iterator<Item = (usize, &'v LocalVerdict)> + Clone,
+        cx: &Context<'_, G>,
     ) -> Verdict {
         let mut worst_reject: Option<(usize, Rejection)> = None;
+        let mut only_slots = true;
         for (i, v) in results.clone() {
             let l = &self.limits[i];
             if let Err(r) = v {
                 if l.shadow {
                     continue;
                 }
+                only_slots &= self.queue == Some(i);
                 if worst_reject.is_none_or(|(_, w)| r.retry_after > w.retry_after) {
                     worst_reject = Some((i, *r));
                 }
             }
         }
         if let Some((limit, rejection)) = worst_reject {
+            if only_slots && cx.allow_delay {
+                return Verdict::Queue {
+                    limit,
+                    rejection,
+                    hash: 0,
+                };
+            }
             for (i, v) in results.clone() {
                 let l = &self.limits[i];
                 match v {
@@ -1100,6 +1166,11 @@ impl LimitSet {
             match v {
                 Err(_) => {
                     l.metrics.shadow_rejected.inc();
+                }
+                Ok((_, _)) if cx.waited > 0 && self.queue == Some(i) => {
+                    // Admitted after waiting for a slot (the wait is over: no delay is returned).
+                    l.metrics.delayed.inc();
+                    l.metrics.delay.observe(Duration::from_micros(cx.waited));
                 }
                 Ok((snap, d)) => {
                     if *d > 0 {

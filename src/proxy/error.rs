@@ -87,12 +87,32 @@ pub(crate) enum ProxyError {
     /// The client went away: nobody to answer.
     #[error("client gone")]
     ClientGone,
+    /// Refused only for lack of a slot of a concurrency limit with `on_limit: delay`: not an
+    /// answer yet, but the request's place to wait ([`crate::proxy::Gateway::wait_for_slot`],
+    /// which each codec calls). Answered as that limit's 429 should it ever be written.
+    #[error("waiting for a slot of limit {}", .0.limit)]
+    Queued(Box<SlotWait>),
     /// tollgate panicked while handling the request, before any of its answer went out. The
     /// code that caught it logged and counted it (`crate::panics`); the answer is a 500 and
     /// the connection closes, since what the panic left half-done (a request body half read,
     /// an upstream half written) cannot be trusted for another request.
     #[error("internal error")]
     Panicked,
+}
+
+/// Where a request refused for lack of a concurrency slot waits: the limit, its key's line in
+/// the limit's store, the limit's answer should it not wait, and when it was first decided
+/// (its `max_delay` counts from then).
+#[derive(Debug)]
+pub(crate) struct SlotWait {
+    /// Index of the concurrency limit in the route's limits.
+    pub limit: usize,
+    /// The key's hash in the limit's store: its line.
+    pub hash: u64,
+    /// The limit's answer, written if the request does not wait.
+    pub rejection: Rejection,
+    /// When the request was first decided.
+    pub started: std::time::Instant,
 }
 
 impl From<io::Error> for ProxyError {
@@ -113,6 +133,23 @@ pub(crate) trait AnswerWriter {
     fn body(&mut self) -> &mut Vec<u8>;
     /// The connection closes after this answer (`Connection: close`).
     fn close(&mut self);
+}
+
+/// A limit's rejection, as the route answers it (a limit is a route's: there is always one).
+fn limited(
+    out: &mut impl AnswerWriter,
+    route: &Route,
+    (limit, rate): (usize, u16),
+    rejection: &Rejection,
+) -> StatusCode {
+    let limit = &route.limits.limits[limit];
+    match &route.rejection {
+        None => {
+            too_many_requests(out, route, (limit, rate), rejection);
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        Some(custom) => custom_rejection(out, route, custom, (limit, rate), rejection),
+    }
 }
 
 static JSON: &[u8] = b"application/json";
@@ -169,18 +206,8 @@ pub(crate) fn rescue(
             limit,
             rate,
             rejection,
-        } => {
-            // A limit is a route's: there is always one here.
-            let route = route?;
-            let limit = &route.limits.limits[*limit];
-            match &route.rejection {
-                None => {
-                    too_many_requests(out, route, (limit, *rate), rejection);
-                    StatusCode::TOO_MANY_REQUESTS
-                }
-                Some(custom) => custom_rejection(out, route, custom, (limit, *rate), rejection),
-            }
-        }
+        } => limited(out, route?, (*limit, *rate), rejection),
+        ProxyError::Queued(q) => limited(out, route?, (q.limit, 0), &q.rejection),
         ProxyError::MissingKey { limit, part } => {
             let s = StatusCode::TOO_MANY_REQUESTS;
             error(out, s, "missing_key", |b| {

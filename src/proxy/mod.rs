@@ -18,6 +18,7 @@ pub(crate) mod pipeline;
 pub(crate) mod raw_upstream;
 pub(crate) mod request_id;
 pub(crate) mod response;
+mod slot_wait;
 pub(crate) mod tunnels;
 
 use std::net::SocketAddr;
@@ -26,9 +27,10 @@ use std::sync::atomic::Ordering;
 
 use arc_swap::ArcSwap;
 
-use self::error::ProxyError;
+use self::error::{ProxyError, SlotWait};
 use crate::connector::Connector;
 use crate::key::RequestParts;
+use crate::limit::algorithm::Rejection;
 use crate::limit::clock::SharedClock;
 use crate::limit::{Context, HeaderInfo, Held, Verdict};
 use crate::metrics::Metrics;
@@ -57,6 +59,11 @@ impl Gateway {
     /// Phase 3, the limits' answer for a routed request: leave to forward (after an optional
     /// wait, the caller's, so each codec can notice a client leaving in its own way), or why
     /// not (429, 503, the `on_missing: reject` 429).
+    ///
+    /// A request refused only for lack of a concurrency slot that may wait for one gets
+    /// [`ProxyError::Queued`]: its wait is the caller's too ([`Gateway::wait_for_slot`]), so
+    /// that only a request that waits carries the wait's state (a client-gone future made for
+    /// every request cost the admit path about 130 instructions).
     pub(crate) async fn admit<'r>(
         &self,
         rt: &ConfigSnapshot,
@@ -84,7 +91,91 @@ impl Gateway {
             waiter.is_some()
         };
         let started = std::time::Instant::now();
-        let cx = Context {
+        let cx = self.context(rt, started, allow_delay);
+        // Someone already waits for a slot of this request's key: it queues behind them
+        // undecided, not taking the slot one of them was woken for.
+        let busy = match limits.queue {
+            Some(_) if allow_delay => limits.busy_line(parts),
+            _ => None,
+        };
+        let (verdict, held) = match busy {
+            None => limits.evaluate_held(parts, &cx).await,
+            Some((limit, hash)) => {
+                return Err(ProxyError::Queued(Box::new(SlotWait {
+                    limit,
+                    hash,
+                    rejection: Rejection {
+                        retry_after: 0,
+                        remaining: 0,
+                        reset_after: 0,
+                    },
+                    started,
+                })));
+            }
+        };
+        if let Verdict::Queue {
+            limit,
+            rejection,
+            hash,
+        } = verdict
+        {
+            return Err(ProxyError::Queued(Box::new(SlotWait {
+                limit,
+                hash,
+                rejection,
+                started,
+            })));
+        }
+        self.admission(rt, route, parts, request_id, (verdict, held), waiter)
+    }
+
+    /// A request [`Gateway::admit`] answered [`ProxyError::Queued`] waits in its key's line
+    /// (`slot_wait`) until it is admitted, `max_delay` passes, or `gone` resolves (the codec's
+    /// sign that the client left: then `ClientGone`). It takes its place in the route's waiter
+    /// cap again; found full, it is decided once more without room to wait.
+    ///
+    /// The future is made on the heap here, in a plain function, so that the codecs' request
+    /// futures hold a pointer to it and not room for it.
+    pub(crate) fn wait_for_slot<'a, 'r: 'a>(
+        &'a self,
+        rt: &'a ConfigSnapshot,
+        route: &'r Route,
+        parts: &'a RequestParts<'_>,
+        request_id: request_id::LogId<'a>,
+        queued: Box<SlotWait>,
+        gone: impl Future<Output = ()> + 'a,
+    ) -> std::pin::Pin<Box<impl Future<Output = Result<Admitted<'r>, ProxyError>> + 'a>> {
+        Box::pin(self.wait_in_line(rt, route, parts, request_id, queued, gone))
+    }
+
+    async fn wait_in_line<'r>(
+        &self,
+        rt: &ConfigSnapshot,
+        route: &'r Route,
+        parts: &RequestParts<'_>,
+        request_id: request_id::LogId<'_>,
+        queued: Box<SlotWait>,
+        gone: impl Future<Output = ()>,
+    ) -> Result<Admitted<'r>, ProxyError> {
+        let waiter = WaiterSlot::acquire(route);
+        let cx = self.context(rt, queued.started, waiter.is_some());
+        let decided = if waiter.is_some() {
+            slot_wait::wait(self, route, parts, &cx, (queued.limit, queued.hash), gone).await?
+        } else {
+            route.limits.evaluate_held(parts, &cx).await
+        };
+        self.admission(rt, route, parts, request_id, decided, waiter)
+    }
+
+    /// What a request's limits decided at `started`, with room to wait or not.
+    #[inline]
+    fn context<'a>(
+        &'a self,
+        rt: &'a ConfigSnapshot,
+        started: std::time::Instant,
+        allow_delay: bool,
+    ) -> Context<'a> {
+        Context {
             now: self.clock.at(started),
             started,
             clock: &*self.clock,
@@ -97,9 +188,24 @@ impl Gateway {
             on_error: rt.on_error,
             leases: rt.leases.as_ref(),
             allow_delay,
+            waited: 0,
             metrics: &self.metrics,
-        };
-        let (verdict, mut held) = limits.evaluate_held(parts, &cx).await;
+        }
+    }
+
+    /// A decision's verdict as the codecs take it: admitted (with what it holds), or the error
+    /// its answer is written from.
+    #[inline]
+    fn admission<'r>(
+        &self,
+        rt: &ConfigSnapshot,
+        route: &'r Route,
+        parts: &RequestParts<'_>,
+        request_id: request_id::LogId<'_>,
+        (verdict, mut held): (Verdict, Held),
+        waiter: Option<WaiterSlot<'r>>,
+    ) -> Result<Admitted<'r>, ProxyError> {
+        let limits = &route.limits;
         if held.settles() {
             held.set_clock(self.clock.clone());
         }
@@ -124,6 +230,14 @@ impl Gateway {
                     rejection,
                 })
             }
+            // Not returned by a decision after the wait (it is made without room to wait).
+            Verdict::Queue {
+                limit, rejection, ..
+            } => Err(ProxyError::Limited {
+                limit,
+                rate: 0,
+                rejection,
+            }),
             Verdict::Unavailable { limit } => Err(ProxyError::LimiterUnavailable { limit }),
             Verdict::MissingKey { limit, part } => Err(ProxyError::MissingKey { limit, part }),
             Verdict::AmbiguousKey { limit, part } => Err(ProxyError::AmbiguousKey { limit, part }),

@@ -29,5 +29,6 @@ mod reload;
 mod sentinel;
 mod settle;
 mod signals;
+mod slot_queue;
 mod tls;
 mod upstream_pool;

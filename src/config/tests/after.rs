@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::super::types::{AlgorithmKind, Scope};
+use super::super::types::{AlgorithmKind, OnLimit, Scope};
 use super::{assert_err, ok, with_limit, with_redis_limit};
 
 const SLOTS: &str = "algorithm: concurrency";
@@ -103,24 +103,114 @@ fn a_lease_is_at_least_a_second() {
 }
 
 #[test]
-fn slots_are_neither_delayed_nor_eventual() {
-    assert_err(
-        &with_limit(&[
+fn slots_queue_with_delay_and_are_not_eventual() {
+    for yaml in [
+        with_limit(&[
             SLOTS,
             "max_in_flight: 1",
             "on_limit: delay",
             "max_delay: 1s",
         ]),
-        8,
-        19,
-        "on_limit: delay is not supported on a concurrency limit",
-    );
+        with_redis_limit(&[
+            SLOTS,
+            "max_in_flight: 1",
+            "on_limit: delay",
+            "max_delay: 1s",
+        ]),
+    ] {
+        let cfg = ok(&yaml);
+        let l = &cfg.routes[0].limits[0];
+        assert_eq!(
+            (l.on_limit, l.max_delay),
+            (OnLimit::Delay, Duration::from_secs(1))
+        );
+        let summary = crate::config::summary(&cfg);
+        assert!(
+            summary.contains(
+                "max_in_flight 1, SCOPE, waits for a slot up to 1s (first come, first served), then 429 with Retry-After 1s"
+                    .replace("SCOPE", &l.scope.to_string())
+                    .as_str()
+            ),
+            "{summary}"
+        );
+        assert_eq!(
+            summary.contains("other instances' within 50ms"),
+            l.scope == Scope::Global,
+            "{summary}"
+        );
+    }
     assert_err(
         &with_redis_limit(&[SLOTS, "max_in_flight: 1", "consistency: eventual"]),
         10,
         22,
         "consistency: eventual cannot count slots",
     );
+}
+
+/// A route's limits: a gcra limit `paced` (its `on_limit` as given), then a concurrency limit
+/// `slots` (its `on_limit` as given, on line 14, column 19).
+fn paced_and_slots(paced: &str, slots: &str) -> String {
+    format!(
+        "routes:
+  - name: api
+    upstream: http://127.0.0.1:9000
+    limits:
+      - name: paced
+        rate: 10/1s
+        on_limit: {paced}
+        max_delay: 1s
+      - name: slots
+        key: [header:x-key]
+        algorithm: concurrency
+        max_in_flight: 1
+        max_delay: 1s
+        on_limit: {slots}
+"
+    )
+}
+
+#[test]
+fn a_slot_queue_shares_no_route_with_another_delay_limit() {
+    // One delay limit beside a rejecting one loads, whichever it is.
+    ok(&paced_and_slots("reject", "delay"));
+    ok(&paced_and_slots("delay", "reject"));
+    assert_err(
+        &paced_and_slots("delay", "delay"),
+        14,
+        19,
+        "on_limit: delay on concurrency limit `slots` cannot share a route with another delay limit (`paced`)",
+    );
+    // A shared one is refused where the route uses it.
+    let shared = "limits:
+  - name: slots
+    key: [header:x-key]
+    algorithm: concurrency
+    max_in_flight: 1
+    on_limit: delay
+    max_delay: 1s
+routes:
+  - name: api
+    upstream: http://127.0.0.1:9000
+    limits:
+      - name: paced
+        rate: 10/1s
+        on_limit: delay
+        max_delay: 1s
+      - use: slots
+";
+    assert_err(
+        shared,
+        16,
+        14,
+        "concurrency limit `slots` cannot share a route",
+    );
+    // Two gcra delay limits still load, as before.
+    let two = paced_and_slots("delay", "reject").replace(
+        "        algorithm: concurrency\n        max_in_flight: 1\n",
+        "        rate: 5/1s\n",
+    );
+    let two = two.replace("on_limit: reject", "on_limit: delay");
+    ok(&two);
 }
 
 #[test]

@@ -13,13 +13,17 @@ impl LocalStore {
     /// longer held (the admin API reset it), or holding another kind of state (its limit is no
     /// longer a concurrency limit), stays as it is. A key holding slots never expires (its
     /// `full_at` is the end of time), so no clock is needed: any instant reads it as live, and
-    /// one that holds none, or was forgotten, as gone.
+    /// one that holds none, or was forgotten, as gone. The first request waiting for a slot of
+    /// `key` ([`LocalStore::queue`]) is woken.
     pub fn release(&self, key: &[u8], cost: u64) {
         const ANY: Micros = 0;
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
         let found = shard.find(hash, key);
         if !matches!(shard.live_at(found, ANY), Some(State::Concurrency(_))) {
+            // Forgotten (reset): its slots are all free, and a waiter may take one.
+            drop(shard);
+            self.queue.wake(hash);
             return;
         }
         shard.update_found(
@@ -35,6 +39,8 @@ impl LocalStore {
             // The key is live (checked above): nothing is inserted, nothing ranked.
             |_| 0,
         );
+        drop(shard);
+        self.queue.wake(hash);
     }
 
     /// Applies `s` to `key`'s state under `algorithm` (the rate its decision applied) at `now`.

@@ -28,6 +28,9 @@ use sharded::{Found, Rank, Shard, Sharded};
 #[derive(Default)]
 pub struct LocalStore {
     map: Sharded<State>,
+    /// A concurrency limit's requests waiting for a slot (`on_limit: delay`), per key: beside
+    /// the slots, so a release wakes them and a reload carries them over with the slots.
+    pub queue: super::queue::SlotQueue,
 }
 
 impl std::fmt::Debug for LocalStore {
@@ -52,6 +55,11 @@ impl LocalStore {
             Some(state) => algorithm.peek(state, now),
             None => algorithm.peek(&algorithm.new_state(), now),
         }
+    }
+
+    /// The hash `key` is stored under: what names its line in [`LocalStore::queue`].
+    pub fn key_hash(&self, key: &[u8]) -> u64 {
+        self.map.hash(key)
     }
 
     /// Forgets `key`'s state (the admin API's reset): its next request finds it full.

@@ -77,6 +77,7 @@ fn context<'a, G>(
         on_error,
         leases: None,
         allow_delay: true,
+        waited: 0,
         metrics,
     }
 }
@@ -731,4 +732,70 @@ fn a_reset_redis_does_not_confirm_still_forgets_in_process() {
         .block_on(l.reset::<FakeStore<'_>>(b"k", None, NOW))
         .unwrap_err();
     assert_eq!(e.error, RedisError::Unavailable);
+}
+
+/// A route with a queueing concurrency limit and a gcra limit: a request refused only for lack
+/// of a slot is asked to wait (`Queue`), counted nowhere and charged nothing; without room to
+/// wait it is a 429; after a wait its admission counts as `delayed`; refused by the rate limit
+/// too, it is a 429 (no use waiting for a slot).
+#[test]
+fn a_request_refused_only_for_a_slot_is_asked_to_wait_and_charged_nothing() {
+    let metrics = Metrics::new();
+    let clock = ManualClock::new(NOW);
+    let set = limit_set(
+        &metrics,
+        &[
+            "{name: slots, key: [query:k], algorithm: concurrency, max_in_flight: 1, on_limit: delay, max_delay: 1s, scope: local}",
+            "{name: rate, key: [query:k], rate: 2/1h, burst: 2, scope: local}",
+        ],
+        NOW,
+    );
+    assert_eq!(set.queue, Some(0));
+    let store = FakeStore::new(&clock);
+    let cx = context(&clock, Some(&store), STRICT, &metrics);
+    let uri: http::Uri = "/?k=k".parse().unwrap();
+    let req = (http::Method::GET, http::HeaderMap::new());
+    let rt = current_thread();
+    let decide =
+        |cx: &Context<'_, FakeStore<'_>>| rt.block_on(set.evaluate_held(&parts(&uri, &req), cx));
+    let (v, first) = decide(&cx);
+    assert_eq!(answer(&set, &v), "admit");
+    let (v, held) = decide(&cx);
+    let Verdict::Queue { limit: 0, hash, .. } = v else {
+        panic!("{v:?}")
+    };
+    assert!(held.is_empty());
+    assert_eq!(hash, set.limits[0].store.key_hash(b"k"));
+    assert_eq!(
+        left(&set, &store, "rate", NOW),
+        1,
+        "the wait charged nothing"
+    );
+    assert_eq!(
+        (
+            counted(&set, "slots", "rejected"),
+            counted(&set, "slots", "allowed")
+        ),
+        (0, 1),
+        "a request asked to wait is counted nowhere"
+    );
+    let no_room = Context {
+        allow_delay: false,
+        ..cx
+    };
+    assert_eq!(answer(&set, &decide(&no_room).0), "429 slots");
+    assert_eq!(counted(&set, "slots", "rejected"), 1);
+    drop(first);
+    let waited = Context {
+        waited: 5_000,
+        ..cx
+    };
+    let (v, _second) = decide(&waited);
+    assert_eq!(answer(&set, &v), "admit");
+    let m = &set.limits[0].metrics;
+    assert_eq!((m.delayed.get(), m.allowed.get()), (1, 1));
+    assert_eq!(left(&set, &store, "rate", NOW), 0);
+    // The slot is held and the rate used up: a wait for the slot would be in vain.
+    assert_eq!(answer(&set, &decide(&cx).0), "429 rate");
+    assert_eq!(counted(&set, "rate", "rejected"), 1);
 }

@@ -274,9 +274,25 @@ async fn exchange(
         delayed_by,
         waiter,
         held,
-    } = gateway
+    } = match gateway
         .admit(rt, route, &parts, request_id::LogId(id.as_bytes()))
-        .await?;
+        .await
+    {
+        Err(ProxyError::Queued(q)) => {
+            // hyper drops this future when the client goes (an HTTP/2 stream reset, a closed
+            // connection): a wait for a slot ends with it.
+            let waited = gateway.wait_for_slot(
+                rt,
+                route,
+                &parts,
+                request_id::LogId(id.as_bytes()),
+                q,
+                std::future::pending(),
+            );
+            waited.await?
+        }
+        admitted => admitted?,
+    };
     // Until the exchange ends: the response body sent, or dropped (see `guarded`).
     end.hold(held);
     if !delay.is_zero() {

@@ -9,6 +9,7 @@ use http::uri::Scheme;
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
 
 use super::client::exchange;
+use super::conn::client_gone;
 use super::framing::Framing;
 use super::head::{self, Field, RequestHead, ResponseHead};
 use super::relay::{Pump, relay, relay_duplex};
@@ -140,6 +141,16 @@ impl<S: ClientIo> Conn<S> {
         };
         let admitted = match self.gateway.admit(rt, route, &parts, rid.log(bytes)).await {
             Ok(a) => a,
+            Err(ProxyError::Queued(q)) => {
+                let gone = client_gone(&mut self.client, &mut self.rbuf);
+                let waited = self
+                    .gateway
+                    .wait_for_slot(rt, route, &parts, rid.log(bytes), q, gone);
+                match waited.await {
+                    Ok(a) => a,
+                    Err(e) => return self.fail(&e, end, head, bytes, rid).await,
+                }
+            }
             Err(e) => return self.fail(&e, end, head, bytes, rid).await,
         };
         // Held on this exchange's stack, beside its end guard: the slots go back when this
