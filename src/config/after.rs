@@ -16,13 +16,13 @@ use super::raw::{RawLimit, RawSettle};
 use super::types::{AlgorithmKind, Consistency, Rate};
 use super::validate::{Checked, at, positive_duration_or};
 
-/// Default `lease`: long enough that a renewal (every third of it) is rare, short enough that a
+/// Default `lease`: long enough that a renewal (once half of it has run) is rare, short enough that a
 /// crashed instance's slots come back within a minute.
 pub(super) const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 /// Default `retry_after` of a concurrency limit's 429.
 pub(super) const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
-/// The shortest `lease`: a lease is renewed a third of it before it runs out, which must leave
-/// a Redis call (its timeout) room, with margin, even on a loaded machine.
+/// The shortest `lease`: a lease is renewed once half of it has run, which must leave a Redis
+/// call (its timeout) room, with margin, even on a loaded machine.
 pub(super) const MIN_LEASE: Duration = Duration::from_secs(1);
 
 /// `algorithm: concurrency`: at most `max_in_flight` requests of one key at once.
@@ -147,7 +147,7 @@ pub(super) fn concurrency(
         return Err(Invalid::new(
             at(t),
             format!(
-                "lease {} is out of range: at least {} (a lease is renewed a third of it before it runs out, which must leave a Redis round trip room), at most 2^50 µs",
+                "lease {} is out of range: at least {} (a lease is renewed once half of it has run, which must leave a Redis round trip room), at most 2^50 µs",
                 DurationText(lease),
                 DurationText(MIN_LEASE)
             ),

@@ -319,7 +319,11 @@ impl Settle {
         };
         match std::str::from_utf8(value.as_bytes())
             .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(str::trim)
+            // Digits only: `u64`'s parser also takes a leading `+`, which the docs call
+            // unparsable (as any sign is).
+            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|v| v.parse::<u64>().ok())
         {
             Some(cost) => self.apply(cost, now),
             None => {

@@ -186,6 +186,34 @@ async fn a_slot_is_given_back_on_every_way_out() {
     }
 }
 
+/// A client that closes its connection while its request waits for the upstream's head gives
+/// its slot back then, not when the upstream answers (nginx aborts such a request too): else
+/// a client opening and dropping connections would hold every slot of its key for the route's
+/// timeout. The fast codec; hyper's HTTP/1.1 server reads a closed client as a half-close and
+/// notices it only when it writes the answer (docs/configuration.md).
+#[tokio::test]
+async fn a_client_gone_before_the_response_head_gives_its_slot_back_at_once() {
+    let up = Upstream::start().await;
+    let routes = slot_route("held", "/slow", &up.url(), (1, "10s"), "");
+    let g = Gateway::start(&format!("{}routes:\n{routes}", server(true))).await;
+    let shared = g.shared.clone();
+    let mut s = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    s.write_all(b"GET /slow?ms=5000 HTTP/1.1\r\nhost: t\r\nx-key: k\r\n\r\n")
+        .await
+        .unwrap();
+    holds(&shared, "held", 1.0).await;
+    assert_eq!(get(g.url("/slow?ms=1"), "k").await.status(), 429);
+    let closed = Instant::now();
+    drop(s);
+    holds(&shared, "held", 0.0).await;
+    assert!(
+        closed.elapsed() < Duration::from_secs(2),
+        "given back {:?} after the client left",
+        closed.elapsed()
+    );
+    assert_eq!(get(g.url("/slow?ms=1"), "k").await.status(), 200);
+}
+
 /// An upgraded connection (general path) holds its slot while it stays open.
 #[tokio::test]
 async fn an_upgraded_connection_holds_its_slot_until_it_closes() {

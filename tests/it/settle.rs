@@ -199,9 +199,12 @@ async fn a_missing_or_unparsable_cost_keeps_the_estimate_and_is_counted() {
     assert_eq!(get(&g, "/usage?n=12.5", "k").await.status(), 200);
     assert_eq!(get(&g, "/usage?n=-4", "k").await.status(), 200);
     assert_eq!(state(&g, "usage", "k").await["remaining"], 1);
+    // A plus sign too (Rust's integer parser would take it), on a key of its own.
+    assert_eq!(get(&g, "/usage?n=+7", "p").await.status(), 200);
+    assert_eq!(state(&g, "usage", "p").await["remaining"], 7);
     assert_eq!(
         series(&g, "tollgate_settle_missing_total", "usage", ""),
-        3.0
+        4.0
     );
     assert_eq!(
         settled(&g, "usage", "charged") + settled(&g, "usage", "refunded"),

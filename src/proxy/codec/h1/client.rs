@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 use super::framing::Framing;
 use super::head::{self, Field, ParsedResponse, ResponseHead};
 use super::relay::Pump;
-use super::{Failure, READ_CHUNK};
+use super::{Failure, READ_CHUNK, WAIT_READ_MAX};
 use crate::connector::STALE_RETRIES;
 use crate::connector::raw::Pool;
 
@@ -24,6 +24,10 @@ use crate::connector::raw::Pool;
 /// A pooled connection that fails the first write took nothing: the request goes on another.
 /// One that ends before any byte of a response may have been closed by the upstream just as
 /// the request went out, or may have been acted on: only a safe method is sent again then.
+///
+/// With `watch_client` (the request holds a concurrency slot), a client that goes away while
+/// the head is awaited ends the exchange (`Failure::Client`), so its slot comes back then and
+/// not when the upstream answers; other requests are not watched, which costs them nothing.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn exchange(
     pool: &Arc<Pool>,
@@ -36,6 +40,7 @@ pub(super) async fn exchange(
     ubuf: &mut BytesMut,
     ufields: &mut Vec<Field>,
     now: Instant,
+    watch_client: bool,
 ) -> Result<(TcpStream, ResponseHead), Failure> {
     let safe = matches!(
         *method,
@@ -71,7 +76,13 @@ pub(super) async fn exchange(
             Ok(_) => return Err(Failure::Upstream(io::ErrorKind::WriteZero.into())),
             Err(e) => return Err(Failure::Upstream(e)),
         }
-        let read = if body.is_done() {
+        let read = if body.is_done() && watch_client {
+            tokio::select! {
+                biased;
+                r = read_response(&mut up, ubuf, ufields, head_request) => r,
+                () = client_gone(client, rbuf) => return Err(Failure::Client),
+            }
+        } else if body.is_done() {
             read_response(&mut up, ubuf, ufields, head_request).await
         } else {
             send_body_until_head(
@@ -211,6 +222,19 @@ fn parse_final(
             ParsedResponse::Invalid => return Err(ReadError::Invalid("malformed response head")),
         }
     }
+}
+
+/// Resolves when the client goes away (its side closed, or the connection failed), reading
+/// what it sends meanwhile into `rbuf` (up to [`WAIT_READ_MAX`]: a pipelined request is kept
+/// for later; past that, the client is not watched). What a wait for a concurrency slot, and
+/// a slot holder's wait for its response head, are raced against.
+pub(super) async fn client_gone<R: AsyncRead + Unpin>(client: &mut R, rbuf: &mut BytesMut) {
+    while rbuf.len() < WAIT_READ_MAX {
+        if !matches!(read_more(client, rbuf).await, Ok(n) if n > 0) {
+            return;
+        }
+    }
+    std::future::pending().await
 }
 
 pub(super) async fn read_more<R: AsyncRead + Unpin>(

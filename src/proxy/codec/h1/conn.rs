@@ -21,19 +21,6 @@ use crate::proxy::response::push_u64;
 /// How long a TLS close waits to write its `close_notify`.
 const CLOSE_NOTIFY_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Resolves when the client goes away (its side closed, or the connection failed), reading
-/// what it sends meanwhile into `rbuf` (up to [`WAIT_READ_MAX`]: a pipelined request is kept
-/// for later; past that, the client is not watched). What a wait for a concurrency slot is
-/// raced against.
-pub(super) async fn client_gone<S: ClientIo>(client: &mut S, rbuf: &mut BytesMut) {
-    while rbuf.len() < WAIT_READ_MAX {
-        if !matches!(read_more(client, rbuf).await, Ok(n) if n > 0) {
-            return;
-        }
-    }
-    std::future::pending().await
-}
-
 impl<S: ClientIo> Conn<S> {
     /// Serves requests until the connection closes or is handed to the general path.
     pub(super) async fn run(&mut self) -> Ended {

@@ -8,8 +8,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::uri::Scheme;
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
 
-use super::client::exchange;
-use super::conn::client_gone;
+use super::client::{client_gone, exchange};
 use super::framing::Framing;
 use super::head::{self, Field, RequestHead, ResponseHead};
 use super::relay::{Pump, relay, relay_duplex};
@@ -155,7 +154,7 @@ impl<S: ClientIo> Conn<S> {
         };
         // Held on this exchange's stack, beside its end guard: the slots go back when this
         // returns, the response sent (or the client gone, or the upstream failed).
-        let _held = admitted.held;
+        let held = admitted.held;
         if !admitted.delay.is_zero() {
             // A client that leaves before its slot: the slot stays consumed, the abandonment
             // is counted (the guard), nothing is forwarded.
@@ -167,8 +166,19 @@ impl<S: ClientIo> Conn<S> {
         }
         drop(admitted.waiter);
         let info = admitted.info.filter(|_| route.headers);
+        let watch_client = held.slots() > 0;
         let (status, step) = self
-            .forward(route, end, head, bytes, uri, rid, trusted, info)
+            .forward(
+                route,
+                end,
+                head,
+                bytes,
+                uri,
+                rid,
+                trusted,
+                info,
+                watch_client,
+            )
             .await;
         tracing::debug!(request_id = %rid.log(bytes), route = %route.name, method = %head.method, status, "request");
         (status, step)
@@ -186,6 +196,7 @@ impl<S: ClientIo> Conn<S> {
         rid: &RequestId,
         trusted: bool,
         info: Option<HeaderInfo>,
+        watch_client: bool,
     ) -> (u16, Step) {
         let t0 = Instant::now();
         let mut pump = Pump::default();
@@ -210,6 +221,7 @@ impl<S: ClientIo> Conn<S> {
                         &mut self.ubuf,
                         &mut self.ufields,
                         t0,
+                        watch_client,
                     ),
                 )
                 .await;
