@@ -369,6 +369,7 @@ fn settings(rc: &RedisConfig) -> RedisSettings {
         target: rc.target.clone(),
         timeout: rc.timeout,
         pool_size: rc.pool_size,
+        batch_max: rc.batch_max,
     }
 }
 

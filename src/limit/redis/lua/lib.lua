@@ -41,10 +41,12 @@ local function expire(keys, full_at, now, floor_ms)
   end
 end
 
--- Reads `n` limits from ARGV starting after index `at`, taking their keys from KEYS in order.
--- With `shadow` (decide.lua), each limit ends with one more value: 1 for a shadow limit, else 0.
-local function read_limits(n, at, shadow)
-  local limits, k, b = {}, 1, at
+-- Reads `n` limits from ARGV starting after index `at`, taking their keys from KEYS in order
+-- from `key_at` (default 1). With `shadow` (decide.lua), each limit ends with one more value:
+-- 1 for a shadow limit, else 0. Also returns the ARGV index of the last value read and the
+-- index of the next unread key (decide_many.lua reads one request after another).
+local function read_limits(n, at, shadow, key_at)
+  local limits, k, b = {}, key_at or 1, at
   for i = 1, n do
     local l = {
       algo = tonumber(ARGV[b + 1]),
@@ -85,7 +87,7 @@ local function read_limits(n, at, shadow)
     end
     limits[i] = l
   end
-  return limits
+  return limits, b, k
 end
 
 -- The start of the fixed window holding `now`, and the time left until it ends.
@@ -651,4 +653,49 @@ BUILD[6] = function()
       return redis.call('ZREM', l.keys[1], fmt(l.burst))
     end,
   }
+end
+
+-- decisions --------------------------------------------------------------------------------
+
+-- One request's decision over `limits` at `now` (decide.lua documents the rule and the
+-- reply): every limit is checked, and the ones that admitted are committed only if every
+-- enforced one admitted. The reply's 2 + 4n values go into `out` after index `o`. With
+-- `cache` (decide_many.lua), gcra keys are read through it and written to it (gcra.lua's
+-- gcra_cached and gcra_defer), the same arithmetic on the state a call one at a time would
+-- have read; the other algorithms read and write their keys as decide.lua does.
+local function decide_limits(limits, now, floor_ms, out, o, cache)
+  out[o + 1] = 1
+  out[o + 2] = now
+  local states = {}
+  for i, l in ipairs(limits) do
+    local alg = ALG[l.algo]
+    local s
+    if cache and l.algo == 1 then
+      local t, tau = gcra_consts(l.count, l.period, l.burst)
+      s = { tat = gcra_cached(cache, l.keys[1]), t = t, tau = tau }
+    else
+      s = alg.load(l)
+    end
+    local admitted, remaining, reset_after, wait = alg.check(l, s, now)
+    states[i] = s
+    local r = o + 2 + (i - 1) * 4
+    out[r + 1] = admitted
+    out[r + 2] = remaining
+    out[r + 3] = reset_after
+    out[r + 4] = wait
+    if admitted == 0 and not l.shadow then
+      out[o + 1] = 0
+    end
+  end
+  if out[o + 1] == 1 then
+    for i, l in ipairs(limits) do
+      if out[o + 3 + (i - 1) * 4] == 1 then
+        if cache and l.algo == 1 then
+          gcra_defer(cache, l.keys[1], states[i].new_tat, now, floor_ms)
+        else
+          ALG[l.algo].commit(l, states[i], now, floor_ms)
+        end
+      end
+    end
+  end
 end

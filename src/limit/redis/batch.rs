@@ -1,0 +1,269 @@
+//! Coalescing and batching of decisions: while a decide call is in flight on a queue, the
+//! decisions that arrive for that queue wait, and the next call decides all of them, in
+//! arrival order, in one `decide_many` (see `lua/decide_many.lua`). A decision that finds its
+//! queue idle goes at once, alone, as a plain `decide`: a lone request pays no wait.
+//!
+//! This module owns the queues and the wire layout of a batch; [`RedisStore`](super::RedisStore)
+//! runs the calls. One queue per hash slot on a Cluster (a script call may touch one slot
+//! only); on a single Redis the slots are folded into as many queues as the pool has
+//! connections, so that many keys share a call.
+//!
+//! Exactness: a queue has at most one call in flight, and each call decides its requests in
+//! the order they queued, each exactly as `decide.lua` would have decided it alone at that
+//! point. Every request is decided once, after every request queued before it on its queue,
+//! so the admissions are those of the same requests decided one at a time in that order.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::sync::oneshot;
+
+use super::RedisError;
+use super::script::{DECIDE_HEADER, REPLY_HEADER, REPLY_PER_LIMIT};
+
+/// Default bound on the decisions of one call (`redis.batch_max`).
+pub const DEFAULT_BATCH_MAX: usize = 64;
+/// Bound on the ARGV values of one call (about 10 per one-limit decision): what Redis holds
+/// in memory for the call, and how long it runs, stay small. A single decision larger than
+/// this still goes, alone.
+pub const MAX_BATCH_ARGS: usize = 4096;
+
+/// One request's decision, as `decide.lua` takes it, waiting for its answer.
+#[derive(Debug)]
+pub(super) struct Pending {
+    /// decide.lua's KEYS for this request.
+    pub keys: Vec<String>,
+    /// decide.lua's ARGV for this request (now override, TTL floor, n, the limits).
+    pub args: Vec<i64>,
+    /// Where its reply (decide.lua's, 2 + 4n values) goes.
+    pub reply: oneshot::Sender<Result<Vec<i64>, RedisError>>,
+}
+
+impl Pending {
+    /// The number of limits, as the ARGV says.
+    fn limits(&self) -> usize {
+        self.args
+            .get(DECIDE_HEADER - 1)
+            .map_or(0, |&n| usize::try_from(n).unwrap_or(0))
+    }
+}
+
+/// What [`Batcher::enqueue`] made of a decision.
+#[derive(Debug)]
+pub(super) enum Enqueued {
+    /// The queue was idle: the caller runs this decision now, then [`Batcher::next`] until the
+    /// queue is drained.
+    Lead(Pending),
+    /// A call is in flight on the queue: the answer comes on the decision's channel.
+    Queued,
+}
+
+/// Counters of what the batcher did since start, for metrics and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Decide calls sent (`decide` for one decision, `decide_many` for more).
+    pub calls: u64,
+    /// Decisions those calls made.
+    pub decisions: u64,
+    /// Decisions that waited behind a call in flight rather than going at once.
+    pub queued: u64,
+}
+
+/// The queues, and the bound on a call.
+#[derive(Debug)]
+pub(super) struct Batcher {
+    /// Per queue with a call in flight, the decisions waiting for the next call; a queue
+    /// without a call in flight has no entry.
+    queues: Mutex<HashMap<u16, VecDeque<Pending>>>,
+    max_decisions: usize,
+    calls: AtomicU64,
+    decisions: AtomicU64,
+    queued: AtomicU64,
+}
+
+impl Batcher {
+    /// A batcher deciding at most `max_decisions` (at least 1) requests per call.
+    pub(super) fn new(max_decisions: usize) -> Self {
+        Self {
+            queues: Mutex::new(HashMap::new()),
+            max_decisions: max_decisions.max(1),
+            calls: AtomicU64::new(0),
+            decisions: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+        }
+    }
+
+    fn queues(&self) -> std::sync::MutexGuard<'_, HashMap<u16, VecDeque<Pending>>> {
+        // The map holds no invariant a panic elsewhere could break: a queue whose driver
+        // panicked keeps its entry, and its decisions time out (their callers stop waiting).
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Puts `pending` on `queue`: it leads (the queue was idle and is now in flight) or waits.
+    pub(super) fn enqueue(&self, queue: u16, pending: Pending) -> Enqueued {
+        let mut queues = self.queues();
+        match queues.get_mut(&queue) {
+            Some(waiting) => {
+                waiting.push_back(pending);
+                self.queued.fetch_add(1, Ordering::Relaxed);
+                Enqueued::Queued
+            }
+            None => {
+                queues.insert(queue, VecDeque::new());
+                Enqueued::Lead(pending)
+            }
+        }
+    }
+
+    /// After a call on `queue` returned: the decisions for the next call, oldest first, within
+    /// the bounds; empty when none waits, and the queue is then idle again.
+    pub(super) fn next(&self, queue: u16) -> Vec<Pending> {
+        let mut queues = self.queues();
+        let Some(waiting) = queues.get_mut(&queue) else {
+            return Vec::new();
+        };
+        let mut batch = Vec::new();
+        let mut args = 1;
+        while let Some(p) = waiting.front() {
+            let fits = batch.len() < self.max_decisions && args + p.args.len() <= MAX_BATCH_ARGS;
+            if !batch.is_empty() && !fits {
+                break;
+            }
+            args += p.args.len();
+            batch.extend(waiting.pop_front());
+        }
+        if batch.is_empty() {
+            queues.remove(&queue);
+        }
+        batch
+    }
+
+    /// Counts one call of `decisions`.
+    pub(super) fn count_call(&self, decisions: usize) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.decisions
+            .fetch_add(decisions as u64, Ordering::Relaxed);
+    }
+
+    /// What the batcher did so far.
+    pub(super) fn stats(&self) -> BatchStats {
+        BatchStats {
+            calls: self.calls.load(Ordering::Relaxed),
+            decisions: self.decisions.load(Ordering::Relaxed),
+            queued: self.queued.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// KEYS and ARGV of one `decide_many` call deciding `batch` in order.
+pub(super) fn many_call(batch: &[Pending]) -> (Vec<String>, Vec<i64>) {
+    let keys = batch.iter().flat_map(|p| p.keys.iter().cloned()).collect();
+    let mut args = Vec::with_capacity(1 + batch.iter().map(|p| p.args.len()).sum::<usize>());
+    args.push(batch.len() as i64);
+    for p in batch {
+        args.extend_from_slice(&p.args);
+    }
+    (keys, args)
+}
+
+/// Sends each decision of `batch` its part of `reply` (decide_many's), or every one the error.
+pub(super) fn answer(batch: Vec<Pending>, reply: Result<Vec<i64>, RedisError>) {
+    let reply = reply.and_then(|r| {
+        let want: usize = batch
+            .iter()
+            .map(|p| REPLY_HEADER + REPLY_PER_LIMIT * p.limits())
+            .sum();
+        if r.len() == want {
+            Ok(r)
+        } else {
+            Err(RedisError::Protocol(format!(
+                "decide_many returned {} values for {want}",
+                r.len()
+            )))
+        }
+    });
+    match reply {
+        Ok(values) => {
+            let mut at = 0;
+            for p in batch {
+                let len = REPLY_HEADER + REPLY_PER_LIMIT * p.limits();
+                // A caller that went away is not waiting: its decision stands (see RedisStore).
+                let _ = p.reply.send(Ok(values[at..at + len].to_vec()));
+                at += len;
+            }
+        }
+        Err(e) => {
+            for p in batch {
+                let _ = p.reply.send(Err(e.clone()));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(n: i64, limit_args: usize) -> (Pending, oneshot::Receiver<Result<Vec<i64>, RedisError>>) {
+        let (tx, rx) = oneshot::channel();
+        let mut args = vec![-1, 1, n];
+        args.extend(std::iter::repeat_n(0, limit_args));
+        (
+            Pending {
+                keys: vec![format!("k{n}")],
+                args,
+                reply: tx,
+            },
+            rx,
+        )
+    }
+
+    #[test]
+    fn a_lone_decision_leads_and_later_ones_wait_in_order() {
+        let b = Batcher::new(2);
+        assert!(matches!(b.enqueue(7, pending(1, 7).0), Enqueued::Lead(_)));
+        // Another queue is independent.
+        assert!(matches!(b.enqueue(8, pending(1, 7).0), Enqueued::Lead(_)));
+        for _ in 0..3 {
+            assert!(matches!(b.enqueue(7, pending(1, 7).0), Enqueued::Queued));
+        }
+        assert_eq!(b.next(7).len(), 2, "bounded by max_decisions");
+        assert_eq!(b.next(7).len(), 1);
+        assert!(b.next(7).is_empty());
+        // Drained: idle again, the next decision leads.
+        assert!(matches!(b.enqueue(7, pending(1, 7).0), Enqueued::Lead(_)));
+        assert_eq!(b.stats().queued, 3);
+    }
+
+    #[test]
+    fn a_call_is_bounded_by_its_arguments_but_one_decision_always_goes() {
+        let b = Batcher::new(1000);
+        let _ = b.enqueue(1, pending(1, 7).0);
+        let _ = b.enqueue(1, pending(1, MAX_BATCH_ARGS).0);
+        let _ = b.enqueue(1, pending(1, MAX_BATCH_ARGS / 2).0);
+        let _ = b.enqueue(1, pending(1, MAX_BATCH_ARGS / 3).0);
+        assert_eq!(b.next(1).len(), 1, "too large for a batch, goes alone");
+        assert_eq!(b.next(1).len(), 2);
+        assert!(b.next(1).is_empty());
+    }
+
+    #[test]
+    fn many_call_concatenates_and_answer_splits() {
+        let (a, ra) = pending(1, 7);
+        let (c, rc) = pending(2, 14);
+        let batch = vec![a, c];
+        let (keys, args) = many_call(&batch);
+        assert_eq!(keys, ["k1", "k2"]);
+        assert_eq!(args.len(), 1 + 10 + 17);
+        assert_eq!(args[..4], [2, -1, 1, 1]);
+        let reply: Vec<i64> = (0..6 + 10).collect();
+        answer(batch, Ok(reply));
+        assert_eq!(ra.blocking_recv().unwrap().unwrap(), (0..6).collect::<Vec<_>>());
+        assert_eq!(rc.blocking_recv().unwrap().unwrap(), (6..16).collect::<Vec<_>>());
+
+        let (a, ra) = pending(1, 7);
+        answer(vec![a], Ok(vec![1, 2, 3]));
+        assert!(matches!(ra.blocking_recv().unwrap(), Err(RedisError::Protocol(_))));
+    }
+}
