@@ -205,7 +205,10 @@ pub(super) fn answer(batch: Vec<Pending>, reply: Result<Vec<i64>, RedisError>) {
 mod tests {
     use super::*;
 
-    fn pending(n: i64, limit_args: usize) -> (Pending, oneshot::Receiver<Result<Vec<i64>, RedisError>>) {
+    fn pending(
+        n: i64,
+        limit_args: usize,
+    ) -> (Pending, oneshot::Receiver<Result<Vec<i64>, RedisError>>) {
         let (tx, rx) = oneshot::channel();
         let mut args = vec![-1, 1, n];
         args.extend(std::iter::repeat_n(0, limit_args));
@@ -259,11 +262,20 @@ mod tests {
         assert_eq!(args[..4], [2, -1, 1, 1]);
         let reply: Vec<i64> = (0..6 + 10).collect();
         answer(batch, Ok(reply));
-        assert_eq!(ra.blocking_recv().unwrap().unwrap(), (0..6).collect::<Vec<_>>());
-        assert_eq!(rc.blocking_recv().unwrap().unwrap(), (6..16).collect::<Vec<_>>());
+        assert_eq!(
+            ra.blocking_recv().unwrap().unwrap(),
+            (0..6).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            rc.blocking_recv().unwrap().unwrap(),
+            (6..16).collect::<Vec<_>>()
+        );
 
         let (a, ra) = pending(1, 7);
         answer(vec![a], Ok(vec![1, 2, 3]));
-        assert!(matches!(ra.blocking_recv().unwrap(), Err(RedisError::Protocol(_))));
+        assert!(matches!(
+            ra.blocking_recv().unwrap(),
+            Err(RedisError::Protocol(_))
+        ));
     }
 }

@@ -52,8 +52,8 @@ pub use batch::{BatchStats, DEFAULT_BATCH_MAX, MAX_BATCH_ARGS};
 pub use breaker::{Breaker, Health, Transition};
 pub use error::RedisError;
 pub use script::{
-    DECIDE_LUA, DECIDE_MANY_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, ScriptPath, check_params, hash_tag,
-    library, redis_keys,
+    DECIDE_LUA, DECIDE_MANY_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, ScriptPath,
+    check_params, hash_tag, library, redis_keys,
 };
 
 use std::collections::BTreeMap;
@@ -163,6 +163,19 @@ impl LimitVerdict {
     pub fn is_admitted(&self) -> bool {
         matches!(self, LimitVerdict::Admitted { .. })
     }
+}
+
+/// One request of [`RedisStore::decide_batch`]: what [`RedisStore::decide_leasing`] takes.
+#[derive(Clone, Debug, Default)]
+pub struct BatchRequest<'a> {
+    /// The request's global limits.
+    pub limits: Vec<GlobalLimit<'a>>,
+    /// `shadow[i]` (missing: false) marks a shadow limit.
+    pub shadow: Vec<bool>,
+    /// `leases[i]` (missing: 0): a concurrency limit's lease id.
+    pub leases: Vec<u64>,
+    /// Replaces the server clock for this request (tests only).
+    pub now_override: Option<Micros>,
 }
 
 /// Redis's answer for all of a request's global limits.
@@ -733,6 +746,58 @@ impl RedisStore {
             }
         }
         Ok(decision)
+    }
+
+    /// Decides `requests` in one `decide_many` call, in order, each as [`RedisStore::decide_seen_from`]
+    /// would decide it alone at that point (the queues do this for requests that arrive while
+    /// a call is in flight; this picks the batch, for tests and tools). Every request's keys
+    /// must share one hash slot on a Cluster. Calendar windows are sent around each request's
+    /// `now_override`, or this instance's clock.
+    pub async fn decide_batch(
+        &self,
+        requests: &[BatchRequest<'_>],
+    ) -> Result<Vec<Decision>, RedisError> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.inner.check_breaker()?;
+        let mut batch = Vec::with_capacity(requests.len());
+        let mut replies = Vec::with_capacity(requests.len());
+        for r in requests {
+            let all: Vec<&GlobalLimit<'_>> = r.limits.iter().collect();
+            let instance_now = script::instance_now(r.now_override);
+            let (keys, args) =
+                script::decide_call(&all, &r.shadow, &r.leases, r.now_override, instance_now)?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            batch.push(Pending {
+                keys,
+                args,
+                reply: tx,
+            });
+            replies.push(rx);
+        }
+        let (keys, args) = batch::many_call(&batch);
+        let reply = self.inner.eval(Call::DecideMany, keys, args).await;
+        batch::answer(batch, reply);
+        let mut out = Vec::with_capacity(requests.len());
+        for (r, rx) in requests.iter().zip(replies) {
+            let reply = rx.await.map_err(|_| {
+                RedisError::Protocol("a batched decision got no answer".to_string())
+            })??;
+            let reply = script::decode_decide(&reply, r.limits.len(), &r.shadow)?;
+            let mut decision = Decision {
+                admitted: reply.admitted,
+                at: vec![reply.now; reply.per_limit.len()],
+                per_limit: reply.per_limit,
+            };
+            for (l, v) in r.limits.iter().zip(&mut decision.per_limit) {
+                if let (Algorithm::Concurrency(c), LimitVerdict::Rejected(rej)) = (l.algorithm, v) {
+                    rej.retry_after = c.retry_after();
+                }
+            }
+            out.push(decision);
+        }
+        Ok(out)
     }
 
     /// Gives back concurrency leases (`(lease set, lease id)`) whose requests ended, one
