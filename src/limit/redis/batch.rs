@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::oneshot;
 
 use super::RedisError;
-use super::script::{DECIDE_HEADER, REPLY_HEADER, REPLY_PER_LIMIT};
+use super::script::{ARGS_PER_LIMIT, DECIDE_HEADER, REPLY_HEADER, REPLY_PER_LIMIT};
 
 /// Default bound on the decisions of one call (`redis.batch_max`).
 pub const DEFAULT_BATCH_MAX: usize = 64;
@@ -156,24 +156,94 @@ impl Batcher {
     }
 }
 
-/// KEYS and ARGV of one `decide_many` call deciding `batch` in order.
+/// The ARGV values of one limit of a decide.lua ARGV starting at `at`: 7, or 11 for a
+/// calendar fixed_window (code 5: four window bounds more). See `lua/lib.lua`.
+fn limit_len(args: &[i64], at: usize) -> usize {
+    match args.get(at) {
+        Some(5) => ARGS_PER_LIMIT + 4 + 1,
+        _ => ARGS_PER_LIMIT + 1,
+    }
+}
+
+/// KEYS and ARGV of one `decide_many` call deciding `batch` in order (layout at the top of
+/// `lua/decide_many.lua`): each distinct limit sent once as a spec, each distinct request
+/// header and list of specs once as a shape, then one shape number per request. A batch on
+/// one limit (a hot key, or many keys of one limit) is then 2 values per request, not 10.
 pub(super) fn many_call(batch: &[Pending]) -> (Vec<String>, Vec<i64>) {
     let keys = batch.iter().flat_map(|p| p.keys.iter().cloned()).collect();
-    let mut args = Vec::with_capacity(1 + batch.iter().map(|p| p.args.len()).sum::<usize>());
-    args.push(batch.len() as i64);
+    let mut specs: Vec<&[i64]> = Vec::new();
+    let mut spec_of: HashMap<(&[i64], usize), usize> = HashMap::new();
+    let mut shapes: Vec<Vec<i64>> = Vec::new();
+    let mut shape_of: HashMap<Vec<i64>, usize> = HashMap::new();
+    let mut order = Vec::with_capacity(batch.len());
     for p in batch {
-        args.extend_from_slice(&p.args);
+        let a = &p.args;
+        let n = p.limits();
+        let mut shape = Vec::with_capacity(DECIDE_HEADER + n);
+        shape.extend_from_slice(&a[..DECIDE_HEADER.min(a.len())]);
+        let mut at = DECIDE_HEADER;
+        let mut seen: Vec<&[i64]> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let end = (at + limit_len(a, at)).min(a.len());
+            let limit = &a[at..end];
+            // The same spec twice in one request (two limits alike in every value) gets a
+            // second spec: the script gives each spec of a request its own keys.
+            let twice = seen.iter().filter(|s| **s == limit).count();
+            seen.push(limit);
+            let next = specs.len();
+            let spec = *spec_of.entry((limit, twice)).or_insert(next);
+            if spec == next {
+                specs.push(limit);
+            }
+            shape.push(spec as i64 + 1);
+            at = end;
+        }
+        let next = shapes.len();
+        let number = *shape_of.entry(shape.clone()).or_insert(next);
+        if number == next {
+            shapes.push(shape);
+        }
+        order.push(number as i64 + 1);
     }
+    let mut args = Vec::with_capacity(
+        3 + specs.iter().map(|s| s.len()).sum::<usize>()
+            + shapes.iter().map(Vec::len).sum::<usize>()
+            + order.len(),
+    );
+    args.push(batch.len() as i64);
+    args.push(specs.len() as i64);
+    for spec in &specs {
+        args.extend_from_slice(spec);
+    }
+    args.push(shapes.len() as i64);
+    for shape in &shapes {
+        args.extend_from_slice(shape);
+    }
+    args.extend(order);
     (keys, args)
 }
 
-/// Sends each decision of `batch` its part of `reply` (decide_many's), or every one the error.
+/// Per limit of a decide.lua ARGV, whether it is a shadow limit (its segment's last value).
+fn shadows(args: &[i64], n: usize) -> Vec<bool> {
+    let mut out = Vec::with_capacity(n);
+    let mut at = DECIDE_HEADER;
+    for _ in 0..n {
+        let end = at + limit_len(args, at);
+        out.push(args.get(end - 1) == Some(&1));
+        at = end;
+    }
+    out
+}
+
+/// Sends each decision of `batch` its part of `reply` (decide_many's: the server clock's
+/// reading, then 4 values per limit), as decide.lua's reply (all_admitted and now in front), or
+/// every one the error.
 pub(super) fn answer(batch: Vec<Pending>, reply: Result<Vec<i64>, RedisError>) {
     let reply = reply.and_then(|r| {
-        let want: usize = batch
+        let want: usize = 1 + batch
             .iter()
-            .map(|p| REPLY_HEADER + REPLY_PER_LIMIT * p.limits())
-            .sum();
+            .map(|p| REPLY_PER_LIMIT * p.limits())
+            .sum::<usize>();
         if r.len() == want {
             Ok(r)
         } else {
@@ -185,12 +255,26 @@ pub(super) fn answer(batch: Vec<Pending>, reply: Result<Vec<i64>, RedisError>) {
     });
     match reply {
         Ok(values) => {
-            let mut at = 0;
+            let server_now = values[0];
+            let mut at = 1;
             for p in batch {
-                let len = REPLY_HEADER + REPLY_PER_LIMIT * p.limits();
+                let n = p.limits();
+                let verdicts = &values[at..at + REPLY_PER_LIMIT * n];
+                at += REPLY_PER_LIMIT * n;
+                let now = match p.args.first() {
+                    Some(&now) if now >= 0 => now,
+                    _ => server_now,
+                };
+                let shadow = shadows(&p.args, n);
+                let all = verdicts
+                    .chunks_exact(REPLY_PER_LIMIT)
+                    .zip(&shadow)
+                    .all(|(v, &shadow)| v[0] == 1 || shadow);
+                let mut one = Vec::with_capacity(REPLY_HEADER + verdicts.len());
+                one.extend([i64::from(all), now]);
+                one.extend_from_slice(verdicts);
                 // A caller that went away is not waiting: its decision stands (see RedisStore).
-                let _ = p.reply.send(Ok(values[at..at + len].to_vec()));
-                at += len;
+                let _ = p.reply.send(Ok(one));
             }
         }
         Err(e) => {
@@ -258,17 +342,23 @@ mod tests {
         let batch = vec![a, c];
         let (keys, args) = many_call(&batch);
         assert_eq!(keys, ["k1", "k2"]);
-        assert_eq!(args.len(), 1 + 10 + 17);
-        assert_eq!(args[..4], [2, -1, 1, 1]);
-        let reply: Vec<i64> = (0..6 + 10).collect();
-        answer(batch, Ok(reply));
+        // m, 1 spec (every limit of these is seven zeros; the second request has it twice,
+        // so a second spec), 2 shapes, 2 shape numbers.
         assert_eq!(
-            ra.blocking_recv().unwrap().unwrap(),
-            (0..6).collect::<Vec<_>>()
+            args,
+            [
+                2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, -1, 1, 1, 1, -1, 1, 2, 1, 2, 1,
+                2
+            ]
         );
+        // The clock read, then 4 values per limit: the first request's limit rejected (an
+        // enforced one: zeros), the second's two admitted.
+        let reply = vec![99, 0, 5, 6, 7, 1, 0, 0, 0, 1, 3, 2, 1];
+        answer(batch, Ok(reply));
+        assert_eq!(ra.blocking_recv().unwrap().unwrap(), [0, 99, 0, 5, 6, 7]);
         assert_eq!(
             rc.blocking_recv().unwrap().unwrap(),
-            (6..16).collect::<Vec<_>>()
+            [1, 99, 1, 0, 0, 0, 1, 3, 2, 1]
         );
 
         let (a, ra) = pending(1, 7);

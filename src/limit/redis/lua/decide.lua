@@ -23,6 +23,7 @@
 -- For a rejected request the limits that would have admitted report their check, though
 -- nothing was committed.
 
-local out = {}
-decide_limits(read_limits(tonumber(ARGV[3]) or 0, 3, true), clock(ARGV[1]), tonumber(ARGV[2]) or 1, out, 0)
+local now = clock(ARGV[1])
+local out = { 1, now }
+out[1] = decide_limits(read_limits(tonumber(ARGV[3]) or 0, 3, true), now, tonumber(ARGV[2]) or 1, out, 2)
 return out

@@ -79,7 +79,7 @@ local function gcra_store(key, tat, now, floor_ms)
     redis.call('DEL', key)
   else
     local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
-    redis.call('SET', key, fmt(tat), 'PX', ms)
+    redis.call('SET', key, fmt(tat), 'PX', fmt(ms))
   end
 end
 
@@ -99,51 +99,14 @@ local function all_gcra(at, n)
   return true
 end
 
--- decide_many.lua's cache of gcra keys: the TAT each key has as the batch has left it so far
--- (0: none, as GET of a missing or deleted key reads), and for a key the batch charged, the
--- `now` and TTL floor of its last commit, written once at the end (gcra_flush) in the order
--- first charged.
-local function gcra_cache()
-  return { tat = {}, now = {}, floor = {}, order = {} }
-end
-
--- A key's TAT: from the cache, or read once and remembered.
-local function gcra_cached(cache, key)
-  local tat = cache.tat[key]
-  if tat == nil then
-    tat = num(redis.call('GET', key))
-    cache.tat[key] = tat
-  end
-  return tat
-end
-
--- gcra_store into the cache: what a later decision of the batch reads is what it would have
--- read after gcra_store (a TAT already past deletes the key: 0).
-local function gcra_defer(cache, key, tat, now, floor_ms)
-  if cache.now[key] == nil then
-    cache.order[#cache.order + 1] = key
-  end
-  if tat <= now then
-    tat = 0
-  end
-  cache.tat[key], cache.now[key], cache.floor[key] = tat, now, floor_ms
-end
-
--- Each key the batch charged, written once, as its last commit would have written it.
-local function gcra_flush(cache)
-  for _, key in ipairs(cache.order) do
-    gcra_store(key, cache.tat[key], cache.now[key], cache.floor[key])
-  end
-end
-
 -- One request whose n limits are all gcra (all_gcra), decided as decide.lua decides (which
 -- documents the rule): every limit checked, the ones that admitted charged only if every
--- enforced one admitted. The limits' ARGV values follow index `at`, their keys are KEYS[k] on.
--- The reply's 2 + 4n values go into `out` after index `o`. Without `cache` each key is read
--- with GET and written at once (decide_gcra.lua); with one, through it (decide_many.lua).
-local function gcra_decide(at, k, n, now, floor_ms, out, o, cache)
-  out[o + 1] = 1
-  out[o + 2] = now
+-- enforced one admitted; decide_gcra.lua's path, which builds no table per limit. The limits'
+-- ARGV values follow index `at`, their keys are KEYS[1] on. The reply's 2 + 4n values go into
+-- `out`.
+local function gcra_decide(at, n, now, floor_ms, out)
+  out[1] = 1
+  out[2] = now
   local tats = { 0 }
   for i = 1, n do
     local b = at + (i - 1) * 7
@@ -153,33 +116,22 @@ local function gcra_decide(at, k, n, now, floor_ms, out, o, cache)
       error('tollgate: malformed arguments for limit ' .. i)
     end
     local t, tau = gcra_consts(count, period, burst)
-    local key = KEYS[k + i - 1]
-    local tat
-    if cache then
-      tat = gcra_cached(cache, key)
-    else
-      tat = num(redis.call('GET', key))
-    end
     local admitted, remaining, reset_after, wait, new_tat =
-      gcra_check(tat, now, t, tau, cost, burst, max_delay)
+      gcra_check(num(redis.call('GET', KEYS[i])), now, t, tau, cost, burst, max_delay)
     tats[i] = new_tat
-    local r = o + 2 + (i - 1) * 4
+    local r = 2 + (i - 1) * 4
     out[r + 1] = admitted
     out[r + 2] = remaining
     out[r + 3] = reset_after
     out[r + 4] = wait
     if admitted == 0 and ARGV[b + 7] ~= '1' then
-      out[o + 1] = 0
+      out[1] = 0
     end
   end
-  if out[o + 1] == 1 then
+  if out[1] == 1 then
     for i = 1, n do
-      if out[o + 3 + (i - 1) * 4] == 1 then
-        if cache then
-          gcra_defer(cache, KEYS[k + i - 1], tats[i], now, floor_ms)
-        else
-          gcra_store(KEYS[k + i - 1], tats[i], now, floor_ms)
-        end
+      if out[3 + (i - 1) * 4] == 1 then
+        gcra_store(KEYS[i], tats[i], now, floor_ms)
       end
     end
   end
