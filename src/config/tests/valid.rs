@@ -391,7 +391,7 @@ fn summary_mentions_every_route_and_limit() {
     }
     let spec = summary(&ok(SPEC_EXAMPLE));
     assert!(
-        spec.contains("redis    redis://127.0.0.1:6379; timeout 50ms, pool 2, on_error allow: fall back to the local limit"),
+        spec.contains("redis    redis://127.0.0.1:6379; timeout 50ms, pool 2, batch_max 64, on_error allow: fall back to the local limit"),
         "{spec}"
     );
     assert!(
