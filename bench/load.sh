@@ -831,7 +831,7 @@ main() {
         echo "redis     : global cold: ${RT[tg-global-cold]} calls for ${REQS[tg-global-cold]} requests wrk completed ($(awk -v c="${RT[tg-global-cold]}" -v n="${REQS[tg-global-cold]}" 'BEGIN { printf "%.3f", n ? c / n : 0 }') per request, each a new key)"
         # Redis cores per million admitted requests/s: redis-server's CPU share over the rate.
         echo "redis     : redis-server CPU per admitted request: global admit (hot key) $(us "${RDS[tg-global-admit]}" "${RPS[tg-global-admit]}") us, global cold $(us "${RDS[tg-global-cold]}" "${RPS[tg-global-cold]}") us"
-        echo "            = Redis cores per million admitted requests/s: hot $(awk -v p="${RDS[tg-global-admit]}" -v r="${RPS[tg-global-admit]}" 'BEGIN { printf "%.2f", r > 0 ? p / 100 / r * 1e6 : 0 }'), cold $(awk -v p="${RDS[tg-global-cold]}" -v r="${RPS[tg-global-cold]}" 'BEGIN { printf "%.2f", r > 0 ? p / 100 / r * 1e6 : 0 }') (wall-clock CPU, socket work included)"
+        echo "            = Redis cores per million admitted requests/s: hot $(awk -v p="${RDS[tg-global-admit]}" -v r="${RPS[tg-global-admit]}" 'BEGIN { printf "%.2f", (r > 0 ? p / 100 / r * 1e6 : 0) }'), cold $(awk -v p="${RDS[tg-global-cold]}" -v r="${RPS[tg-global-cold]}" 'BEGIN { printf "%.2f", (r > 0 ? p / 100 / r * 1e6 : 0) }') (wall-clock CPU, socket work included)"
         echo "redis     : tollgate_redis_errors_total at the end (warm-up included): global admit: $errs_admit; global cold: $errs_cold; global hot: $errs_hot"
         echo "redis     : redis-server CPU (rds%): global admit ${RDS[tg-global-admit]}%, redis-bench ${RDS[rb-evalsha]}% / -P16 ${RDS[rb-evalsha-p16]}%; tollgate (srv%) in global admit ${SRV[tg-global-admit]}%, in admit ${SRV[tg-admit]}%"
         echo
