@@ -18,6 +18,8 @@
 //!
 //! Figures are wall-clock on a shared 2-core machine: they move with its load; the
 //! instruction counts of `CALLGRIND=1 BATCH=1 bench/script.sh` do not. About 40 s.
+//! `cargo test --all-targets` runs it without `--bench`: a smoke run of a few hundred
+//! decisions per row, whose figures mean nothing, checking that it still works.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -164,7 +166,7 @@ struct Run {
     p99: f64,
 }
 
-async fn concurrent(store: &RedisStore, redis: &Redis, c: usize, hot: bool, secs: u64) -> Run {
+async fn concurrent(store: &RedisStore, redis: &Redis, c: usize, hot: bool, run: Duration) -> Run {
     static COLD: AtomicU64 = AtomicU64::new(0);
     let stop = Arc::new(AtomicBool::new(false));
     let calls0 = fcalls(redis.port);
@@ -187,7 +189,7 @@ async fn concurrent(store: &RedisStore, redis: &Redis, c: usize, hot: bool, secs
             lat
         });
     }
-    tokio::time::sleep(Duration::from_secs(secs)).await;
+    tokio::time::sleep(run).await;
     stop.store(true, Ordering::Relaxed);
     let mut lat: Vec<Duration> = tasks.join_all().await.into_iter().flatten().collect();
     let elapsed = started.elapsed().as_secs_f64();
@@ -205,6 +207,12 @@ async fn concurrent(store: &RedisStore, redis: &Redis, c: usize, hot: bool, secs
 }
 
 fn main() {
+    let bench = std::env::args().any(|a| a == "--bench");
+    let (run, lone_n) = if bench {
+        (Duration::from_secs(3), 2000)
+    } else {
+        (Duration::from_millis(200), 50)
+    };
     if has("taskset") {
         // This process (and the runtime's one worker) on core 1, Redis alone on core 0.
         let _ = Command::new("taskset")
@@ -217,7 +225,9 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    println!("bench/batch.rs: strict global decisions through RedisStore, redis-server on core 0, this process on core 1");
+    println!(
+        "bench/batch.rs: strict global decisions through RedisStore, redis-server on core 0, this process on core 1"
+    );
     println!(
         "{:<10} {:<6} {:>4} {:>12} {:>11} {:>14} {:>9} {:>9}",
         "batch_max", "keys", "C", "decisions/s", "calls/dec", "redis us/dec", "p50 us", "p99 us"
@@ -240,12 +250,16 @@ fn main() {
             }
             let before = store.batch_stats();
             let mut lone = Vec::new();
-            for i in 0..2000 {
+            for i in 0..lone_n {
                 lone.push(decide(&store, &alg, &format!("tg:{{bench/lone/{i}}}")).await);
             }
             let after = store.batch_stats();
             if batch_max > 1 {
-                assert_eq!(after.calls - before.calls, 2000, "each lone decision its own call");
+                assert_eq!(
+                    after.calls - before.calls,
+                    lone_n,
+                    "each lone decision its own call"
+                );
                 assert_eq!(after.queued, before.queued, "no lone decision queued");
             }
             lone.sort();
@@ -262,7 +276,7 @@ fn main() {
             );
             for hot in [true, false] {
                 for c in [8, 64] {
-                    let r = concurrent(&store, &redis, c, hot, 3).await;
+                    let r = concurrent(&store, &redis, c, hot, run).await;
                     println!(
                         "{:<10} {:<6} {:>4} {:>12.0} {:>11.3} {:>14.2} {:>9.0} {:>9.0}",
                         batch_max,

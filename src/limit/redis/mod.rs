@@ -335,8 +335,12 @@ impl Inner {
         keys: Vec<String>,
         args: Vec<i64>,
     ) -> Result<Vec<i64>, RedisError> {
+        // The calls are boxed where they are made: a Redis call's future (fred's, the
+        // timeout, the reload) is large, and the request's whole decision, boxed by the
+        // caller, would otherwise carry it and be copied with it, although a queued
+        // decision never makes one.
         let Some(batcher) = &self.batcher else {
-            return self.eval(Call::Decide, keys, args).await;
+            return Box::pin(self.eval(Call::Decide, keys, args)).await;
         };
         let queue = self.queue_of(&keys);
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -355,7 +359,7 @@ impl Inner {
                     done: false,
                 };
                 batcher.count_call(1);
-                let reply = self.eval(Call::Decide, p.keys, p.args).await;
+                let reply = Box::pin(self.eval(Call::Decide, p.keys, p.args)).await;
                 lead.hand_over();
                 reply
             }
@@ -737,7 +741,9 @@ impl RedisStore {
                 per_limit: reply.per_limit,
             }
         } else {
-            self.decide_split(limits, shadow, leases, groups, now_override, instance_now)
+            // Boxed: a rare path (a Cluster request over several slots) whose future would
+            // otherwise make every decision's larger.
+            Box::pin(self.decide_split(limits, shadow, leases, groups, now_override, instance_now))
                 .await?
         };
         for (l, v) in limits.iter().zip(&mut decision.per_limit) {
