@@ -139,6 +139,16 @@ impl Batcher {
         batch
     }
 
+    /// `queue`'s driver ended without draining it (a panic): the queue is idle again, and
+    /// every decision waiting on it gets `error` rather than waiting for a call that will not
+    /// come.
+    pub(super) fn abandon(&self, queue: u16, error: RedisError) {
+        let waiting = self.queues().remove(&queue).unwrap_or_default();
+        for p in waiting {
+            let _ = p.reply.send(Err(error.clone()));
+        }
+    }
+
     /// Counts one call of `decisions`.
     pub(super) fn count_call(&self, decisions: usize) {
         self.calls.fetch_add(1, Ordering::Relaxed);
@@ -321,6 +331,17 @@ mod tests {
         // Drained: idle again, the next decision leads.
         assert!(matches!(b.enqueue(7, pending(1, 7).0), Enqueued::Lead(_)));
         assert_eq!(b.stats().queued, 3);
+    }
+
+    #[test]
+    fn an_abandoned_queue_answers_its_waiters_and_is_idle_again() {
+        let b = Batcher::new(8);
+        let _ = b.enqueue(3, pending(1, 7).0);
+        let (p, rx) = pending(1, 7);
+        assert!(matches!(b.enqueue(3, p), Enqueued::Queued));
+        b.abandon(3, RedisError::Timeout);
+        assert_eq!(rx.blocking_recv().unwrap(), Err(RedisError::Timeout));
+        assert!(matches!(b.enqueue(3, pending(1, 7).0), Enqueued::Lead(_)));
     }
 
     #[test]

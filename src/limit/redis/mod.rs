@@ -363,11 +363,18 @@ impl Inner {
                 lead.hand_over();
                 reply
             }
-            Enqueued::Queued => rx.await.unwrap_or_else(|_| {
-                Err(RedisError::Protocol(
-                    "a batched decision got no answer".to_string(),
-                ))
-            }),
+            // Bounded as the calls are: the one in flight, then the one that carries this
+            // decision, each within the timeout. Past that the answer is a timeout, as a call's
+            // would be (the decision may still be made, as a timed-out call may still run).
+            Enqueued::Queued => {
+                match tokio::time::timeout(2 * (self.timeout + OUTER_SLACK), rx).await {
+                    Ok(Ok(reply)) => reply,
+                    Ok(Err(_)) => Err(RedisError::Protocol(
+                        "a batched decision got no answer".to_string(),
+                    )),
+                    Err(_) => Err(RedisError::Timeout),
+                }
+            }
         }
     }
 
@@ -449,6 +456,29 @@ impl Drop for Lead<'_> {
 /// Runs `queue`'s calls one after another until nothing waits on it: each call decides what
 /// queued while the one before was in flight.
 async fn drive(inner: Arc<Inner>, queue: u16, mut batch: Vec<Pending>) {
+    // Should a call panic, the queue must not stay "in flight" with nobody to drain it.
+    struct Drained<'a> {
+        inner: &'a Inner,
+        queue: u16,
+        done: bool,
+    }
+    impl Drop for Drained<'_> {
+        fn drop(&mut self) {
+            if !self.done
+                && let Some(batcher) = &self.inner.batcher
+            {
+                batcher.abandon(
+                    self.queue,
+                    RedisError::Protocol("a batch of decisions was lost".to_string()),
+                );
+            }
+        }
+    }
+    let mut drained = Drained {
+        inner: &inner,
+        queue,
+        done: false,
+    };
     while !batch.is_empty() {
         inner.run_batch(batch).await;
         batch = match &inner.batcher {
@@ -456,6 +486,7 @@ async fn drive(inner: Arc<Inner>, queue: u16, mut batch: Vec<Pending>) {
             None => Vec::new(),
         };
     }
+    drained.done = true;
 }
 
 impl Drop for Inner {
