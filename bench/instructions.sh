@@ -29,7 +29,10 @@
 # under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts
 # are zeroed, wrk runs DURATION seconds, the counts are dumped; instructions / requests wrk
 # completed. The upstream is an nginx worker as in bench/load.sh. Needs valgrind, nginx, wrk.
-# TARGETS picks them (default "proxy admit reject"); the TLS and HTTP/2 ones, proxy's config
+# TARGETS picks them (default "proxy admit reject"); `global-admit` and `global-cold` (load.sh's
+# strict global targets: one hot key, or a new key per request through bench/load/cold.lua)
+# also start a redis-server (no persistence), and count tollgate's side of Redis: building the
+# call, the client, decoding, the batcher; the TLS and HTTP/2 ones, proxy's config
 # over a certificate made here (ECDSA P-256) as bench/tls.sh's: https (wrk, keep-alive), new
 # (wrk, `Connection: close`: a resumed TLS 1.3 handshake per request), h2 and h2c (h2load
 # -c4 -m16, instructions per stream; needs h2load, from nghttp2-client).
@@ -69,6 +72,15 @@ with open(sys.argv[1], "w") as f:
 PY
 fi
 
+# The global targets' Redis.
+REDIS_PORT=""
+if [[ " $TARGETS " == *" global-"* ]]; then
+    command -v redis-server >/dev/null || { echo "instructions.sh: redis-server missing (apt-get install redis-server)" >&2; exit 2; }
+    REDIS_PORT=$(free_port)
+    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >"$TMP/redis.log" 2>&1 & PIDS+=($!)
+    for _ in $(seq 100); do [[ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]] && break; sleep 0.1; done
+fi
+
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
     -subj /CN=localhost -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
     -keyout "$TMP/key.pem" -out "$TMP/cert.pem" >/dev/null 2>&1 || true
@@ -87,10 +99,12 @@ for name in $TARGETS; do
     esac
     # The targets keyed by an API key: wrk sends one.
     [[ "$name" == admit-key || "$name" == admit-overrides ]] && load+=(-H "x-api-key: 127.0.0.1")
+    # A new X-User, the limit's key, on every request.
+    [[ "$name" == global-cold ]] && load+=(-s "$T/cold.lua")
     # h2load takes -D SECONDS, wrk -dSECONDSs.
     run_load() { if [[ ${load[0]} == h2load ]]; then "${load[@]}" -D "$1" "$url"; else "${load[@]}" -d"$1s" "$url"; fi; }
     render "$cfg" "$TMP/$name.yaml" PORT="$p" ADMIN_PORT="$a" UPSTREAM_PORT="$UP" DIR="$TMP" \
-        OVERRIDES="$TMP/consumers.yaml"
+        OVERRIDES="$TMP/consumers.yaml" REDIS_PORT="$REDIS_PORT"
     TOKIO_WORKER_THREADS=1 RUST_LOG=warn valgrind --tool=callgrind \
         --callgrind-out-file="$TMP/$name.%p" "$BIN" run --config "$TMP/$name.yaml" \
         >"$TMP/$name.log" 2>&1 &

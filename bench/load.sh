@@ -15,8 +15,14 @@
 # admit (one local gcra limit that admits everything), tollgate reject (one
 # local limit that answers 429 to everything after the first request);
 # with Redis (REDIS=1, the default):
-#   tollgate global admit: tollgate admit's limit with scope: global (one
-#     EVALSHA of decide.lua per request), redis on_error: deny, pool_size 2;
+#   tollgate global admit: tollgate admit's limit with scope: global, redis
+#     on_error: deny, pool_size 2; one key (the client IP) for every
+#     connection, every request admitted: the hot key the batcher coalesces
+#     (requests arriving while a call is in flight share the next call);
+#   tollgate global cold: the same limit keyed by an X-User header that wrk
+#     (bench/load/cold.lua) sets to a new value on every request: every
+#     decision a different key, so none coalesce, but concurrent ones share a
+#     call (decide_many);
 #   tollgate global hot: a global gcra limit keyed by literal:hot (every wrk
 #     connection is the same key), 100/1s burst 100: nearly every request is a
 #     429, answered by the in-process tier in front of Redis;
@@ -96,7 +102,7 @@ done
 # one target_* function and (for a new server) one start_* function. Targets
 # named rb-* are redis-benchmark runs, every other one a wrk run.
 TARGETS=(direct nginx tg-proxy tg-admit tg-reject)
-(( REDIS )) && TARGETS+=(tg-global-admit tg-global-hot rb-evalsha rb-evalsha-p16)
+(( REDIS )) && TARGETS+=(tg-global-admit tg-global-cold tg-global-hot rb-evalsha rb-evalsha-p16)
 declare -A LABEL=(
     [direct]="direct upstream"
     [nginx]="nginx proxy"
@@ -105,6 +111,7 @@ declare -A LABEL=(
     [tg-reject]="tollgate reject"
     [tg-global-admit]="tollgate global admit"
     [tg-global-hot]="tollgate global hot"
+    [tg-global-cold]="tollgate global cold"
     [rb-evalsha]="redis-bench EVALSHA"
     [rb-evalsha-p16]="redis-bench EVALSHA -P16"
     [redis]="redis-server"
@@ -281,7 +288,7 @@ start_nginx_proxy() {
 }
 
 # start_tollgate NAME: tollgate with bench/load/tollgate-NAME.yaml
-# (NAME = proxy|admit|reject|global-admit|global-hot).
+# (NAME = proxy|admit|reject|global-admit|global-cold|global-hot).
 declare -A TG_PID
 start_tollgate() {
     local name="$1" key="tg-$1"
@@ -383,6 +390,7 @@ target_tg-admit()  { target_alive tg-admit; target_alive direct; }
 target_tg-reject() { target_alive tg-reject; }
 target_tg-global-admit() { target_alive tg-global-admit; target_alive redis; target_alive direct; }
 target_tg-global-hot()   { target_alive tg-global-hot; target_alive redis; target_alive direct; }
+target_tg-global-cold()  { target_alive tg-global-cold; target_alive redis; target_alive direct; }
 target_rb-evalsha()      { target_alive redis; }
 target_rb-evalsha-p16()  { target_alive redis; }
 
@@ -442,9 +450,11 @@ prepare_ceiling() {
     "$REPO/bench/decide_lua.sh" > "$lua"
     DECIDE_SHA="$(sha1sum "$lua" | cut -d' ' -f1)"
     # tollgate global admit has decided a request by now, so tollgate loaded
-    # its script: it must be ours, byte for byte.
-    local had; had="$(rcli SCRIPT EXISTS "$DECIDE_SHA" 2>&1)"
-    [[ "$had" == 1 ]] || die "Redis has no script $DECIDE_SHA after tollgate's first decision (SCRIPT EXISTS: $had): the harness's copy of decide.lua is not what tollgate sends"
+    # its function library (Redis >= 7): it must be this checkout's, whose
+    # decide function runs decide.lua's code.
+    local lib had; lib="$("$REPO/bench/library_lua.sh" | sed -n '1s/^#!lua name=//p')"
+    had="$(rcli FUNCTION LIST LIBRARYNAME "$lib" 2>&1 | grep -cx "$lib" || true)"
+    [[ "$had" -ge 1 ]] || die "Redis has no function library $lib after tollgate's first decision: the harness's copy of the Lua is not what tollgate sends"
     local sha; sha="$(rcli -x SCRIPT LOAD < "$lua" 2>&1)"
     [[ "$sha" == "$DECIDE_SHA" ]] || die "SCRIPT LOAD answered '$sha', expected $DECIDE_SHA"
     # One decision on a fresh key: a full bucket admits (1), at Redis's clock,
@@ -457,7 +467,7 @@ prepare_ceiling() {
             ok = NF == 6 && $1 == 1 && $3 == 1 && $4 == burst - cost && $6 == 0 && $2 > now - 5e6 && $2 < now + 5e6
             exit !ok }' <<< "$reply" \
         || die "EVALSHA $DECIDE_SHA 1 $RB_KEY ${RB_ARGV[*]} answered '$reply', not an admitted decision (1 NOW 1 $(( RB_ARGV[6] - RB_ARGV[7] )) RESET 0)"
-    CEILING_CHECK="EVALSHA $DECIDE_SHA (= tollgate's script, SCRIPT EXISTS before the harness loaded it) 1 $RB_KEY ${RB_ARGV[*]} -> [ ${reply% }]: admitted, remaining burst-1"
+    CEILING_CHECK="EVALSHA $DECIDE_SHA (= tollgate's decide script; its library $lib was loaded by tollgate) 1 $RB_KEY ${RB_ARGV[*]} -> [ ${reply% }]: admitted, remaining burst-1"
     rcli DEL "$RB_KEY" > /dev/null
 }
 
@@ -494,7 +504,10 @@ run_target() {
               EVALSHA "$DECIDE_SHA" 1 "$RB_KEY" "${RB_ARGV[@]}")
         ltimeout=$((secs * 4 + 30))
     else
-        load=(wrk -t1 -c"$CONNECTIONS" -d"${secs}s" --latency "$(target_url "$target")")
+        load=(wrk -t1 -c"$CONNECTIONS" -d"${secs}s" --latency)
+        # A new X-User (the limit's key) on every request.
+        [[ "$target" == tg-global-cold ]] && load+=(-s "$TEMPLATES/cold.lua")
+        load+=("$(target_url "$target")")
         ltimeout=$((secs + 30))
     fi
     local rs0 rs1 m0 m1
@@ -573,7 +586,7 @@ main() {
     (( PROXY_CPU < nproc_ && LOAD_CPU < nproc_ )) || die "PROXY_CPU=$PROXY_CPU / LOAD_CPU=$LOAD_CPU: this machine has $nproc_ CPUs"
 
     TMP="$(mktemp -d "${TMPDIR:-/tmp}/tollgate-load.XXXXXX")"
-    local ports; read -r -a ports <<< "$(free_ports 13)"
+    local ports; read -r -a ports <<< "$(free_ports 15)"
     PORT=([upstream]=${ports[0]} [nginx]=${ports[1]}
           [tg-proxy]=${ports[2]} [tg-proxy-admin]=${ports[3]}
           [tg-admit]=${ports[4]} [tg-admit-admin]=${ports[5]}
@@ -582,7 +595,8 @@ main() {
     if (( REDIS )); then
         PORT+=([redis]=${ports[8]}
                [tg-global-admit]=${ports[9]} [tg-global-admit-admin]=${ports[10]}
-               [tg-global-hot]=${ports[11]} [tg-global-hot-admin]=${ports[12]})
+               [tg-global-hot]=${ports[11]} [tg-global-hot-admin]=${ports[12]}
+               [tg-global-cold]=${ports[13]} [tg-global-cold-admin]=${ports[14]})
     fi
 
     # Is the machine quiet? (Other work on these cores skews everything.)
@@ -602,6 +616,7 @@ main() {
         start_redis "${PORT[redis]}"
         start_tollgate global-admit
         start_tollgate global-hot
+        start_tollgate global-cold
     fi
     # Sanity before measuring: proxy/admit forward (200), reject admits its one
     # request and then answers 429.
@@ -617,6 +632,7 @@ main() {
     CEILING_CHECK=""
     if (( REDIS )); then
         s="$(http_status "$(target_url tg-global-admit)")"; [[ "$s" == 200 ]] || die "tollgate global admit answered $s, not 200; log: $(tail -5 "$TMP/tg-global-admit.log")"
+        s="$(http_status "$(target_url tg-global-cold)")"; [[ "$s" == 200 ]] || die "tollgate global cold answered $s, not 200; log: $(tail -5 "$TMP/tg-global-cold.log")"
         s="$(http_status "$(target_url tg-global-hot)")"; [[ "$s" == 200 || "$s" == 429 ]] || die "tollgate global hot answered $s, not 200 or 429; log: $(tail -5 "$TMP/tg-global-hot.log")"
         prepare_ceiling
     fi
@@ -698,8 +714,8 @@ main() {
         ALL[$t]="$(awk -F'\t' -v t="$t" '$2 == t { printf "%s%.0f", sep, $3; sep = " " }' "$results")"
     done
     # tollgate_redis_errors_total by kind at the end (warm-up included).
-    local errs_admit="" errs_hot=""
-    if (( REDIS )); then errs_admit="$(tg_redis_errors tg-global-admit)"; errs_hot="$(tg_redis_errors tg-global-hot)"; fi
+    local errs_admit="" errs_hot="" errs_cold=""
+    if (( REDIS )); then errs_admit="$(tg_redis_errors tg-global-admit)"; errs_hot="$(tg_redis_errors tg-global-hot)"; errs_cold="$(tg_redis_errors tg-global-cold)"; fi
 
     local commit dirty=""
     commit="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -749,7 +765,9 @@ main() {
     us() { awk -v pct="$1" -v rps="$2" 'BEGIN { printf "%.2f", (rps > 0 ? pct / 100 / rps * 1e6 : 0) }'; }
     declare -A US_SRV US_K0 US_K1
     printf "%-24s %9s %8s %8s   %s\n" "CPU per request (us)" "server" "core$PROXY_CPU" "core$LOAD_CPU" "(srv% / core% over req/s)"
-    for t in nginx tg-proxy tg-admit tg-reject; do
+    local us_targets=(nginx tg-proxy tg-admit tg-reject)
+    (( REDIS )) && us_targets+=(tg-global-admit tg-global-cold)
+    for t in "${us_targets[@]}"; do
         US_SRV[$t]="$(us "${SRV[$t]}" "${RPS[$t]}")"; US_K0[$t]="$(us "${K0[$t]}" "${RPS[$t]}")"; US_K1[$t]="$(us "${K1[$t]}" "${RPS[$t]}")"
         printf "%-24s %9s %8s %8s\n" "${LABEL[$t]}" "${US_SRV[$t]}" "${US_K0[$t]}" "${US_K1[$t]}"
     done
@@ -789,10 +807,14 @@ main() {
     ratio "tollgate reject / tollgate admit (req/s)" "${RPS[tg-reject]}" "${RPS[tg-admit]}" ">=" 2.0
     allows tg-reject tg-admit
     if (( REDIS )); then
-        ratio "tollgate global admit / tollgate admit (req/s)" "${RPS[tg-global-admit]}" "${RPS[tg-admit]}" ">=" 0.5
+        ratio "tollgate global admit / tollgate admit (req/s)" "${RPS[tg-global-admit]}" "${RPS[tg-admit]}" ">=" 0.9
+        allows tg-global-admit tg-admit
+        ratio "tollgate global cold / tollgate admit (req/s)" "${RPS[tg-global-cold]}" "${RPS[tg-admit]}" ">=" 0.8
+        allows tg-global-cold tg-admit
         # Requests sent: wrk's completed ones plus the one each connection
-        # still has in flight when wrk stops (its EVALSHA may already be out).
-        ratio "global admit: Redis commands per request sent" "${RT[tg-global-admit]}" "$(( REQS[tg-global-admit] + ROUNDS * CONNECTIONS ))" "<=" 1.0
+        # still has in flight when wrk stops (its call may already be out).
+        ratio "global admit (hot key): Redis calls per request" "${RT[tg-global-admit]}" "$(( REQS[tg-global-admit] + ROUNDS * CONNECTIONS ))" "<=" 0.1
+        ratio "global cold: Redis calls per request" "${RT[tg-global-cold]}" "$(( REQS[tg-global-cold] + ROUNDS * CONNECTIONS ))" - -
         ratio "global hot: Redis commands per rejected request" "${RT[tg-global-hot]}" "${NON2XX[tg-global-hot]}" "<" 0.05
         ratio "global admit decisions/s / redis-bench EVALSHA/s" "${RPS[tg-global-admit]}" "${RPS[rb-evalsha]}" - -
         ratio "global admit decisions/s / redis-bench -P16" "${RPS[tg-global-admit]}" "${RPS[rb-evalsha-p16]}" - -
@@ -806,7 +828,11 @@ main() {
         echo "redis     : global hot: ${RT[tg-global-hot]} EVALSHA/EVAL/SCRIPT calls for ${NON2XX[tg-global-hot]} non-2xx of ${REQS[tg-global-hot]} requests ($(( REQS[tg-global-hot] - NON2XX[tg-global-hot] )) admitted);"
         echo "            tollgate's tiers: in_process ${TIER_IP[tg-global-hot]}, redis ${TIER_R[tg-global-hot]}, fallback ${TIER_FB[tg-global-hot]};"
         echo "            $(awk -v c="${RT[tg-global-hot]}" -v r="$HOT_RATE" -v s="$(( ROUNDS * DURATION ))" 'BEGIN { printf "%.1f", c / (r * s) }') calls per emission interval (1/${HOT_RATE} s; wrk keeps $CONNECTIONS requests in flight)"
-        echo "redis     : tollgate_redis_errors_total at the end (warm-up included): global admit: $errs_admit; global hot: $errs_hot"
+        echo "redis     : global cold: ${RT[tg-global-cold]} calls for ${REQS[tg-global-cold]} requests wrk completed ($(awk -v c="${RT[tg-global-cold]}" -v n="${REQS[tg-global-cold]}" 'BEGIN { printf "%.3f", n ? c / n : 0 }') per request, each a new key)"
+        # Redis cores per million admitted requests/s: redis-server's CPU share over the rate.
+        echo "redis     : redis-server CPU per admitted request: global admit (hot key) $(us "${RDS[tg-global-admit]}" "${RPS[tg-global-admit]}") us, global cold $(us "${RDS[tg-global-cold]}" "${RPS[tg-global-cold]}") us"
+        echo "            = Redis cores per million admitted requests/s: hot $(awk -v p="${RDS[tg-global-admit]}" -v r="${RPS[tg-global-admit]}" 'BEGIN { printf "%.2f", (r > 0 ? p / 100 / r * 1e6 : 0) }'), cold $(awk -v p="${RDS[tg-global-cold]}" -v r="${RPS[tg-global-cold]}" 'BEGIN { printf "%.2f", (r > 0 ? p / 100 / r * 1e6 : 0) }') (wall-clock CPU, socket work included)"
+        echo "redis     : tollgate_redis_errors_total at the end (warm-up included): global admit: $errs_admit; global cold: $errs_cold; global hot: $errs_hot"
         echo "redis     : redis-server CPU (rds%): global admit ${RDS[tg-global-admit]}%, redis-bench ${RDS[rb-evalsha]}% / -P16 ${RDS[rb-evalsha-p16]}%; tollgate (srv%) in global admit ${SRV[tg-global-admit]}%, in admit ${SRV[tg-admit]}%"
         echo
     fi
@@ -815,7 +841,7 @@ main() {
         if [[ "$1" == 1 ]]; then printf 'check ok   : %s\n' "$2"; else printf 'check FAIL : %s\n' "$2"; unsound=1; fi
     }
     local ok_targets=(direct nginx tg-proxy tg-admit)
-    (( REDIS )) && ok_targets+=(tg-global-admit)
+    (( REDIS )) && ok_targets+=(tg-global-admit tg-global-cold)
     for t in "${ok_targets[@]}"; do
         check "$([[ ${NON2XX[$t]} == 0 ]] && echo 1)" "${LABEL[$t]}: all ${REQS[$t]} responses 2xx (non-2xx: ${NON2XX[$t]})"
     done
@@ -830,17 +856,18 @@ main() {
             "tollgate global hot: the global limit limits: $hot_ok admitted over $ROUNDS run(s), 0 < admitted <= $hot_max (burst $HOT_BURST + ${HOT_RATE}/s x (${DURATION}s + 1 s) per run)"
         check "$(awk -v m="${S429[tg-global-hot]}" -v n="${NON2XX[tg-global-hot]}" 'BEGIN { if (m >= n && n > 0) print 1 }')" \
             "tollgate global hot: the non-2xx answers are 429s (metrics 429 count ${S429[tg-global-hot]} >= wrk non-2xx ${NON2XX[tg-global-hot]})"
-        for t in tg-global-admit tg-global-hot; do
+        for t in tg-global-admit tg-global-cold tg-global-hot; do
             check "$([[ ${RERR[$t]} == 0 && ${S503[$t]} == 0 && ${TIER_FB[$t]} == 0 ]] && echo 1)" \
                 "${LABEL[$t]}: Redis answered every decision: redis errors ${RERR[$t]}, 503s ${S503[$t]}, fallback decisions ${TIER_FB[$t]} during the runs"
         done
-        # Every request of global admit asked Redis, once: the commands Redis
-        # counted and the decisions tollgate counted agree (up to the requests
-        # in flight when wrk stops, one per connection per run).
-        check "$(awk -v a="${RT[tg-global-admit]}" -v b="${TIER_R[tg-global-admit]}" -v n="${REQS[tg-global-admit]}" -v slack=$(( ROUNDS * CONNECTIONS )) '
-                function abs(x) { return x < 0 ? -x : x }
-                BEGIN { if (n > 0 && abs(a - b) <= slack && b >= n && b - n <= slack) print 1 }')" \
-            "tollgate global admit: Redis's EVALSHA count ${RT[tg-global-admit]} = tollgate's tier=redis decisions ${TIER_R[tg-global-admit]} ~ wrk requests ${REQS[tg-global-admit]} (+- $(( ROUNDS * CONNECTIONS )) in flight)"
+        # Every request of global admit and cold was decided by Redis (tier
+        # redis ~ wrk's requests, up to those in flight when wrk stops, one per
+        # connection per run), in no more calls than decisions.
+        for t in tg-global-admit tg-global-cold; do
+            check "$(awk -v a="${RT[$t]}" -v b="${TIER_R[$t]}" -v n="${REQS[$t]}" -v slack=$(( ROUNDS * CONNECTIONS )) '
+                    BEGIN { if (n > 0 && a > 0 && a <= b + slack && b >= n && b - n <= slack) print 1 }')" \
+                "${LABEL[$t]}: Redis's call count ${RT[$t]} <= tollgate's tier=redis decisions ${TIER_R[$t]} ~ wrk requests ${REQS[$t]} (+- $(( ROUNDS * CONNECTIONS )) in flight)"
+        done
         local failcmd=0; for t in "${TARGETS[@]}"; do failcmd=$((failcmd + FAILCMD[$t])); done
         check "$([[ $failcmd == 0 ]] && echo 1)" "Redis: no failed or rejected command during the runs (NOSCRIPT, script errors: $failcmd)"
         check 1 "ceiling: $CEILING_CHECK"
@@ -850,7 +877,7 @@ main() {
     # A proxy target whose server had CPU to spare while wrk's core was full is
     # measuring wrk, not the server.
     local warn_targets=(nginx tg-proxy tg-admit tg-reject) core1
-    (( REDIS )) && warn_targets+=(tg-global-admit tg-global-hot)
+    (( REDIS )) && warn_targets+=(tg-global-admit tg-global-cold tg-global-hot)
     for t in "${warn_targets[@]}"; do
         case "$t" in
             tg-reject) core1=" alone" ;;

@@ -8,6 +8,14 @@
 #   CALLGRIND=1 PARTS=1 bench/script.sh  # and what the pieces of a script cost (see PARTS below)
 #   FCALL=1 bench/script.sh            # also the function library: FCALL next to EVALSHA
 #   CALLGRIND=1 FCALL=1 bench/script.sh  # the same in instructions per call
+#   CALLGRIND=1 BATCH=1 bench/script.sh  # decide_many per decision at batch sizes (see below)
+#
+# BATCH=1 prices the batcher's call instead: `decide_many` (FCALL of the library, and its
+# EVALSHA script) deciding m one-limit gcra requests per call, m = SIZES (default 1 8 64), for
+# a hot key (all m on one key: one GET, one SET) and cold keys (m distinct keys, random per
+# call through redis-benchmark's __rand_int__, so most are new), next to today's `decide` of
+# one request (m = 1, `decide` rows). Figures are per decision: the call's figure / m. Each
+# run sends N/m calls (at least 300), so every size decides about N requests.
 #
 # A fleet of gateways shares one Redis (or one per cluster slot), so the CPU Redis spends per
 # EVALSHA is what bounds global decisions per second. For each algorithm this runs
@@ -97,6 +105,83 @@ declare -A KEYS=([gcra]="1 tg:{b}:gcra" [fixed_window]="1 tg:{b}:fw" [sliding_wi
                  [sliding_log]="2 tg:{b}:log tg:{b}:logm")
 
 UNIT=$([[ -n $CALLGRIND ]] && echo instr || echo µs)
+
+# One redis-benchmark run of "$@" (the command and its arguments), -r for __rand_int__; the
+# figure per call: instructions under callgrind, else usec_per_call of `stat`. Prints
+# "<figure> <calls/s>".
+bench_call() {
+    local stat=$1 n=$2; shift 2
+    cli flushall >/dev/null
+    cli config resetstat >/dev/null
+    local pipeline=() out us calls rps
+    if [[ -n $CALLGRIND ]]; then
+        callgrind_control -z "$REDIS" >/dev/null
+        pipeline=(-P 16)
+    fi
+    out=$(taskset -c 1 redis-benchmark -p "$PORT" -c 50 -n "$n" -r 100000000 "${pipeline[@]}" -q "$@" 2>&1 | tr '\r' '\n' | tail -1)
+    if [[ -n $CALLGRIND ]]; then
+        rm -f "$TMP"/cg.out.*
+        callgrind_control -d "$REDIS" >/dev/null
+        for _ in $(seq 50); do compgen -G "$TMP/cg.out.*" >/dev/null && break; sleep 0.1; done
+        calls=$(cli info commandstats | sed -n "s/^cmdstat_$stat:calls=\([0-9]*\).*/\1/p")
+        us=$(awk -v c="$calls" '/^(summary|totals):/ {printf "%.0f", $2 / c; exit}' "$TMP"/cg.out.*)
+    else
+        us=$(cli info commandstats | sed -n "s/^cmdstat_$stat:.*usec_per_call=\([0-9.]*\).*/\1/p")
+    fi
+    rps=$(sed -n 's/.*: \([0-9.]*\) requests per second.*/\1/p' <<<"$out")
+    [[ -n "$us" && -n "$rps" ]] || { echo "script.sh: no figure for $*: $out" >&2; exit 1; }
+    echo "$us $rps"
+}
+
+if [[ -n "${BATCH:-}" ]]; then
+    SIZES="${SIZES:-1 8 64}"
+    "$HERE/library_lua.sh" >"$TMP/library.lua"
+    lib="$(cli -x function load <"$TMP/library.lua")"
+    [[ $lib == tollgate_v* ]] || { echo "script.sh: FUNCTION LOAD failed: $lib" >&2; exit 1; }
+    CONST=DECIDE_MANY_LUA "$HERE/decide_lua.sh" >"$TMP/many.lua"
+    many_sha=$(cli -x script load <"$TMP/many.lua")
+    one_sha=${SHA[here]}
+    # One request's decide.lua ARGV: server clock, TTL floor 1, one gcra limit that admits.
+    ONE=(-1 1 1 1 1000000 1000000 1000000 1 0 0)
+    declare -A B
+    rows=()
+    for round in $(seq "$ROUNDS"); do
+        for shape in hot cold; do
+            key='tg:{b}:gcra'; [[ $shape == cold ]] && key='tg:{c__rand_int__}:gcra'
+            for path in fcall evalsha; do
+                if [[ $path == fcall ]]; then one=(fcall "${lib}_decide"); else one=(evalsha "$one_sha"); fi
+                read -r us rps < <(bench_call "$path" "$N" "${one[@]}" 1 "$key" "${ONE[@]}")
+                echo "round $round  $shape  decide  $path  m=1  ${us} $UNIT/decision  ${rps} calls/s"
+                B[$shape.decide.$path.1]+="$us "
+                for m in $SIZES; do
+                    if [[ $path == fcall ]]; then cmd=(fcall "${lib}_decide_many"); else cmd=(evalsha "$many_sha"); fi
+                    # decide_many's layout (lua/decide_many.lua), as batch.rs sends it: m, one
+                    # limit spec, one shape (decide.lua's header and spec 1), m × shape 1.
+                    keys=(); args=("$m" 1 "${ONE[@]:3}" 1 "${ONE[@]:0:3}" 1)
+                    for _ in $(seq "$m"); do keys+=("$key"); args+=(1); done
+                    calls=$(( N / m )); (( calls >= 300 )) || calls=300
+                    read -r us rps < <(bench_call "$path" "$calls" "${cmd[@]}" "$m" "${keys[@]}" "${args[@]}")
+                    per=$(awk -v u="$us" -v m="$m" 'BEGIN { printf "%.2f", u / m }')
+                    echo "round $round  $shape  decide_many  $path  m=$m  ${per} $UNIT/decision  ${rps} calls/s"
+                    B[$shape.many.$path.$m]+="$per "
+                done
+            done
+        done
+    done
+    median() { tr ' ' '\n' <<<"$1" | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
+    echo
+    echo "medians over $ROUNDS rounds, $UNIT per decision (redis-server on core 0${CALLGRIND:+ under callgrind}, redis-benchmark -c 50${CALLGRIND:+ -P 16} on core 1)"
+    printf '%-6s %-8s %-12s %6s %14s\n' keys path call m "$UNIT/decision"
+    for shape in hot cold; do
+        for path in fcall evalsha; do
+            printf '%-6s %-8s %-12s %6s %14s\n' "$shape" "$path" decide 1 "$(median "${B[$shape.decide.$path.1]}")"
+            for m in $SIZES; do
+                printf '%-6s %-8s %-12s %6s %14s\n' "$shape" "$path" decide_many "$m" "$(median "${B[$shape.many.$path.$m]}")"
+            done
+        done
+    done
+    exit 0
+fi
 declare -A US RPS
 for round in $(seq "$ROUNDS"); do
     for a in "${ALGOS[@]}"; do

@@ -201,6 +201,12 @@ pub struct Metrics {
     limit_keys_evicted: Family<StoreLabel, Counter>,
     limit_keys_max: Gauge,
     eventual_units_lost: Counter,
+    redis_decide_calls: Counter,
+    redis_decide_decisions: Counter,
+    redis_decide_queued: Counter,
+    /// The Redis store's own counts at the last [`Metrics::redis_batches`]: what the counters
+    /// above already hold of them.
+    redis_batch_seen: std::sync::Mutex<[u64; 3]>,
 }
 
 impl Default for Metrics {
@@ -238,6 +244,9 @@ impl Metrics {
         let limit_keys_evicted = Family::default();
         let limit_keys_max = Gauge::default();
         let eventual_units_lost = Counter::default();
+        let redis_decide_calls = Counter::default();
+        let redis_decide_decisions = Counter::default();
+        let redis_decide_queued = Counter::default();
         // prometheus-client appends `_total` to counters and `_seconds` comes from the name.
         registry.register(
             "tollgate_requests",
@@ -349,6 +358,21 @@ impl Metrics {
             "Units admitted by eventual limits that no sync will push: their key was evicted while the queue of evicted keys' units was full",
             eventual_units_lost.clone(),
         );
+        registry.register(
+            "tollgate_redis_decide_calls",
+            "Decide calls sent to Redis: one request's decision, or a batch of those that queued behind a call in flight",
+            redis_decide_calls.clone(),
+        );
+        registry.register(
+            "tollgate_redis_decide_decisions",
+            "Requests decided by those calls (decisions / calls: the mean batch)",
+            redis_decide_decisions.clone(),
+        );
+        registry.register(
+            "tollgate_redis_decide_queued",
+            "Decisions that waited behind a call in flight on their queue rather than going at once",
+            redis_decide_queued.clone(),
+        );
         // Series that exist from the start, so dashboards and alerts see 0 rather than nothing.
         for kind in [
             "timeout",
@@ -394,6 +418,10 @@ impl Metrics {
             limit_keys_evicted,
             limit_keys_max,
             eventual_units_lost,
+            redis_decide_calls,
+            redis_decide_decisions,
+            redis_decide_queued,
+            redis_batch_seen: std::sync::Mutex::new([0; 3]),
         }
     }
 
@@ -552,6 +580,27 @@ impl Metrics {
     /// Adds `n` to `tollgate_eventual_units_lost_total`.
     pub fn eventual_units_lost(&self, n: u64) {
         self.eventual_units_lost.inc_by(n);
+    }
+
+    /// The Redis store's counts so far (decide calls, the decisions they made, the decisions
+    /// that queued) into `tollgate_redis_decide_*_total`: what grew since the last report. A
+    /// count below the last one is a new store (a reload changed the `redis` section), counted
+    /// from 0.
+    pub fn redis_batches(&self, counts: [u64; 3]) {
+        let mut seen = self
+            .redis_batch_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let counters = [
+            &self.redis_decide_calls,
+            &self.redis_decide_decisions,
+            &self.redis_decide_queued,
+        ];
+        for ((now, last), counter) in counts.iter().zip(seen.iter_mut()).zip(counters) {
+            let grown = if *now >= *last { *now - *last } else { *now };
+            counter.inc_by(grown);
+            *last = *now;
+        }
     }
 }
 

@@ -337,6 +337,10 @@ impl ConfigSnapshot {
         metrics.eventual_units_lost(report.lost_units);
         metrics.set_limit_keys_max(self.config.server.max_keys);
         metrics.set_local_keys(report.total());
+        if let Some(store) = &self.redis {
+            let b = store.batch_stats();
+            metrics.redis_batches([b.calls, b.decisions, b.queued]);
+        }
         report.total()
     }
 }
@@ -369,6 +373,7 @@ fn settings(rc: &RedisConfig) -> RedisSettings {
         target: rc.target.clone(),
         timeout: rc.timeout,
         pool_size: rc.pool_size,
+        batch_max: rc.batch_max,
     }
 }
 

@@ -89,6 +89,7 @@ pub(super) struct RawRedis {
     pub timeout: Option<Text>,
     pub on_error: Option<Text>,
     pub pool_size: Option<Spanned<u64>>,
+    pub batch_max: Option<Spanned<u64>>,
 }
 
 #[derive(Debug, Deserialize)]

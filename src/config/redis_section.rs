@@ -67,13 +67,31 @@ pub(super) fn redis(raw: Spanned<RawRedis>) -> Checked<RedisConfig> {
         Some(n) => usize_of(&n)?,
         None => 2,
     };
+    let batch_max = match raw.batch_max {
+        Some(n) if n.value == 0 || n.value > MAX_BATCH_MAX => {
+            return Err(Invalid::new(
+                at(&n),
+                format!(
+                    "batch_max must be between 1 (no batching) and {MAX_BATCH_MAX}, got {}",
+                    n.value
+                ),
+            ));
+        }
+        Some(n) => usize_of(&n)?,
+        None => crate::limit::redis::DEFAULT_BATCH_MAX,
+    };
     Ok(RedisConfig {
         target,
         timeout: positive_duration_or(raw.timeout.as_ref(), "timeout", Duration::from_millis(50))?,
         on_error,
         pool_size,
+        batch_max,
     })
 }
+
+/// The largest `batch_max`: a call's arguments are bounded anyway (`MAX_BATCH_ARGS`), and
+/// one call of more decisions holds Redis (and every other client of it) longer.
+const MAX_BATCH_MAX: u64 = 1024;
 
 fn redis_url(t: &Text) -> Checked<String> {
     if t.value.contains(super::types::REDACTED) {

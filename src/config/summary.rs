@@ -110,9 +110,10 @@ pub(super) fn summary_at(cfg: &Config, now: jiff::Timestamp) -> String {
             };
             let _ = writeln!(
                 out,
-                "redis    {target}; timeout {}, pool {}, on_error {on_error}",
+                "redis    {target}; timeout {}, pool {}, batch_max {}, on_error {on_error}",
                 DurationText(r.timeout),
-                r.pool_size
+                r.pool_size,
+                r.batch_max
             );
         }
     }

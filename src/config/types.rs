@@ -195,6 +195,9 @@ pub struct RedisConfig {
     pub on_error: OnError,
     /// Redis clients in the pool, each pipelining many commands; default 2.
     pub pool_size: usize,
+    /// Decisions one script call may decide: those that queued behind a call in flight on
+    /// the same queue go together in the next one; default 64, 1 turns batching off.
+    pub batch_max: usize,
 }
 
 /// Which Redis the global limits use. Serializes like the YAML: `{"url": ..}`,

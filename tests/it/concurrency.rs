@@ -317,7 +317,8 @@ fn fcalls(redis: &RedisServer) -> u64 {
 
 /// Two instances share one global limit of 3 slots through Redis: of 10 requests held at
 /// once, exactly 3 go through, whichever instance they reach; every lease is given back; and
-/// it costs Redis one call per decision plus one per release.
+/// it costs Redis at most one call per decision (concurrent ones share calls) plus one per
+/// release.
 #[tokio::test]
 async fn two_instances_never_hold_more_than_max_in_flight_together() {
     let up = Upstream::start().await;
@@ -345,13 +346,14 @@ async fn two_instances_never_hold_more_than_max_in_flight_together() {
     }
     // Releases go out in the background: give them a moment.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while fcalls(&redis) < before + 13 && Instant::now() < deadline {
+    while !redis.cli(&["KEYS", "*:slots"]).trim().is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(
-        fcalls(&redis) - before,
-        10 + 3,
-        "one call per decision, one per release"
+    // Decisions that arrive while one is in flight on their queue share the next call.
+    let calls = fcalls(&redis) - before;
+    assert!(
+        (2 + 3..=10 + 3).contains(&calls),
+        "{calls}: at most one call per decision, one per release"
     );
     assert_eq!(
         redis.cli(&["KEYS", "*:slots"]).trim(),

@@ -5,6 +5,7 @@
 mod support;
 
 mod admin;
+mod batch;
 mod calendar;
 mod cli;
 mod concurrency;

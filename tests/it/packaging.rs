@@ -470,6 +470,9 @@ const COUNTERS: &[&str] = &[
     "tollgate_limit_keys_evicted",
     "tollgate_eventual_units_lost",
     "tollgate_panics",
+    "tollgate_redis_decide_calls",
+    "tollgate_redis_decide_decisions",
+    "tollgate_redis_decide_queued",
 ];
 const HISTOGRAMS: &[&str] = &[
     "tollgate_request_duration_seconds",

@@ -227,7 +227,8 @@ async fn a_master_named_by_sentinel_shares_one_exact_budget_and_resets() {
     }
     let master = setup.server(setup.master_port());
     let replica = setup.server(setup.replica_port());
-    assert!(script_calls(master).0 >= 17 * 4, "the master decides");
+    // Concurrent decisions share calls (decide_many): at least one per case.
+    assert!(script_calls(master).0 >= 4, "the master decides");
     assert_eq!(
         script_calls(replica).0,
         0,

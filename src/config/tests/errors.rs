@@ -345,6 +345,20 @@ fn redis_zero_timeout_and_pool() {
     assert_err(&yaml, 3, 12, "timeout must be longer than 0");
     let yaml = lines(&["redis:", "  url: redis://a", "  pool_size: 0"]);
     assert_err(&yaml, 3, 14, "pool_size must be at least 1");
+    let yaml = lines(&["redis:", "  url: redis://a", "  batch_max: 0"]);
+    assert_err(
+        &yaml,
+        3,
+        14,
+        "batch_max must be between 1 (no batching) and 1024, got 0",
+    );
+    let yaml = lines(&["redis:", "  url: redis://a", "  batch_max: 5000"]);
+    assert_err(
+        &yaml,
+        3,
+        14,
+        "batch_max must be between 1 (no batching) and 1024, got 5000",
+    );
 }
 
 // ---- routes: upstream ----

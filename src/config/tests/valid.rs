@@ -94,6 +94,7 @@ fn spec_example_parses_to_what_it_says() {
             timeout: Duration::from_millis(50),
             on_error: OnError::Allow,
             pool_size: 2,
+            batch_max: 64,
         }),
         // The spec's own example loads without a warning.
         warnings: Vec::new(),
@@ -128,6 +129,7 @@ fn defaults_are_applied() {
         "  cluster: [redis://h1:7000, 'rediss://:pw@h2:7001']",
         "  on_error: deny",
         "  pool_size: 4",
+        "  batch_max: 8",
         "routes:",
         "  - name: bare",
         "    upstream: [http://a:1, 'https://B.example/base']",
@@ -189,6 +191,7 @@ fn defaults_are_applied() {
             timeout: Duration::from_millis(50),
             on_error: OnError::Deny,
             pool_size: 4,
+            batch_max: 8,
         })
     );
     let [bare, exact, prefix] = &cfg.routes[..] else {
@@ -388,7 +391,7 @@ fn summary_mentions_every_route_and_limit() {
     }
     let spec = summary(&ok(SPEC_EXAMPLE));
     assert!(
-        spec.contains("redis    redis://127.0.0.1:6379; timeout 50ms, pool 2, on_error allow: fall back to the local limit"),
+        spec.contains("redis    redis://127.0.0.1:6379; timeout 50ms, pool 2, batch_max 64, on_error allow: fall back to the local limit"),
         "{spec}"
     );
     assert!(

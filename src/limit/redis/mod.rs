@@ -41,17 +41,19 @@
 //! which Cluster redirections need too), within its timeout: a decision can then be charged
 //! twice, never skipped. A call fred timed out it never writes or resends afterwards.
 
+mod batch;
 mod breaker;
 mod error;
 mod script;
 mod sentinel;
 
 pub use crate::config::redis::{MAX_PARAM, parse_url};
+pub use batch::{BatchStats, DEFAULT_BATCH_MAX, MAX_BATCH_ARGS};
 pub use breaker::{Breaker, Health, Transition};
 pub use error::RedisError;
 pub use script::{
-    DECIDE_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, ScriptPath, check_params, hash_tag,
-    library, redis_keys,
+    DECIDE_LUA, DECIDE_MANY_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, ScriptPath,
+    check_params, hash_tag, library, redis_keys,
 };
 
 use std::collections::BTreeMap;
@@ -68,6 +70,7 @@ use fred::types::config::UnresponsiveConfig;
 use tokio::task::JoinSet;
 
 use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
+use batch::{Batcher, Enqueued, Pending};
 use script::{Call, DecideReply, Scripts};
 
 /// The channel resets are published on (see [`RedisStore::reset`]).
@@ -104,6 +107,10 @@ pub struct RedisSettings {
     pub timeout: Duration,
     /// Connections in the pool (`redis.pool_size`, default [`DEFAULT_POOL_SIZE`]).
     pub pool_size: usize,
+    /// Decisions one call may decide (`redis.batch_max`, default [`DEFAULT_BATCH_MAX`]): the
+    /// requests that queued behind a call in flight go together in the next. 1: no
+    /// batching, every decision its own call at once (as before batching).
+    pub batch_max: usize,
 }
 
 impl RedisSettings {
@@ -113,6 +120,7 @@ impl RedisSettings {
             target,
             timeout: DEFAULT_TIMEOUT,
             pool_size: DEFAULT_POOL_SIZE,
+            batch_max: DEFAULT_BATCH_MAX,
         }
     }
 }
@@ -157,6 +165,19 @@ impl LimitVerdict {
     }
 }
 
+/// One request of [`RedisStore::decide_batch`]: what [`RedisStore::decide_leasing`] takes.
+#[derive(Clone, Debug, Default)]
+pub struct BatchRequest<'a> {
+    /// The request's global limits.
+    pub limits: Vec<GlobalLimit<'a>>,
+    /// `shadow[i]` (missing: false) marks a shadow limit.
+    pub shadow: Vec<bool>,
+    /// `leases[i]` (missing: 0): a concurrency limit's lease id.
+    pub leases: Vec<u64>,
+    /// Replaces the server clock for this request (tests only).
+    pub now_override: Option<Micros>,
+}
+
 /// Redis's answer for all of a request's global limits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
@@ -191,6 +212,11 @@ struct Inner {
     cluster: bool,
     timeout: Duration,
     scripts: Scripts,
+    /// The decide queues (see [`batch`]); `None` with `batch_max: 1`.
+    batcher: Option<Batcher>,
+    /// On a single Redis (or Sentinel's master), the number of queues the hash slots are
+    /// folded into: one per pool connection.
+    queues: u16,
     breaker: Mutex<Breaker>,
     shut_down: AtomicBool,
     /// Subscribed to [`RESET_CHANNEL`]: resets sent by any instance.
@@ -299,6 +325,94 @@ impl Inner {
         result
     }
 
+    /// One decision (decide.lua's KEYS and ARGV) through its queue (see [`batch`]): at once,
+    /// in this task, when no call is in flight on the queue; otherwise it waits, and goes in
+    /// the queue's next call with every decision queued meanwhile. Once enqueued a decision is
+    /// made and charged whether or not its caller still waits for the answer, as a call already
+    /// written would be: a caller that goes away does not hold up the queue.
+    async fn decide_queued(
+        self: &Arc<Self>,
+        keys: Vec<String>,
+        args: Vec<i64>,
+    ) -> Result<Vec<i64>, RedisError> {
+        // The calls are boxed where they are made: a Redis call's future (fred's, the
+        // timeout, the reload) is large, and the request's whole decision, boxed by the
+        // caller, would otherwise carry it and be copied with it, although a queued
+        // decision never makes one.
+        let Some(batcher) = &self.batcher else {
+            return Box::pin(self.eval(Call::Decide, keys, args)).await;
+        };
+        let queue = self.queue_of(&keys);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let pending = Pending {
+            keys,
+            args,
+            reply: tx,
+        };
+        match batcher.enqueue(queue, pending) {
+            Enqueued::Lead(p) => {
+                // The queue is this call's until it returns; should this task be dropped
+                // before, the guard hands what queued behind it to a task of its own.
+                let mut lead = Lead {
+                    inner: self,
+                    queue,
+                    done: false,
+                };
+                batcher.count_call(1);
+                let reply = Box::pin(self.eval(Call::Decide, p.keys, p.args)).await;
+                lead.hand_over();
+                reply
+            }
+            // Bounded as the calls are: the one in flight, then the one that carries this
+            // decision, each within the timeout. Past that the answer is a timeout, as a call's
+            // would be (the decision may still be made, as a timed-out call may still run).
+            Enqueued::Queued => {
+                match tokio::time::timeout(2 * (self.timeout + OUTER_SLACK), rx).await {
+                    Ok(Ok(reply)) => reply,
+                    Ok(Err(_)) => Err(RedisError::Protocol(
+                        "a batched decision got no answer".to_string(),
+                    )),
+                    Err(_) => Err(RedisError::Timeout),
+                }
+            }
+        }
+    }
+
+    /// The queue of a decision whose first key is `keys[0]`: its hash slot on a Cluster; on a
+    /// single Redis the slot folded into [`Inner::queues`], so a key always has the same queue.
+    fn queue_of(&self, keys: &[String]) -> u16 {
+        let slot = keys
+            .first()
+            .map_or(0, |k| fred::util::redis_keyslot(k.as_bytes()));
+        if self.cluster {
+            slot
+        } else {
+            slot % self.queues.max(1)
+        }
+    }
+
+    /// One call deciding `batch`, in order: `decide` for one decision, `decide_many` for more;
+    /// each decision gets its own reply, or the call's error.
+    async fn run_batch(&self, mut batch: Vec<Pending>) {
+        if let Err(e) = self.check_breaker() {
+            batch::answer(batch, Err(e));
+            return;
+        }
+        if let Some(batcher) = &self.batcher {
+            batcher.count_call(batch.len());
+        }
+        if batch.len() == 1
+            && let Some(p) = batch.pop()
+        {
+            let reply = self.eval(Call::Decide, p.keys, p.args).await;
+            let _ = p.reply.send(reply);
+            return;
+        }
+        let (keys, args) = batch::many_call(&batch);
+        let reply = self.eval(Call::DecideMany, keys, args).await;
+        batch::answer(batch, reply);
+    }
+
     fn check_breaker(&self) -> Result<(), RedisError> {
         if self.breaker().allows_requests() {
             Ok(())
@@ -306,6 +420,73 @@ impl Inner {
             Err(RedisError::Unavailable)
         }
     }
+}
+
+/// A queue's first call, run by the request that found the queue idle. When it returns, or
+/// if that request is dropped before, what queued behind it goes on in a task of its own
+/// ([`drive`]), so no decision waits on a caller that left.
+struct Lead<'a> {
+    inner: &'a Arc<Inner>,
+    queue: u16,
+    done: bool,
+}
+
+impl Lead<'_> {
+    fn hand_over(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let Some(batcher) = &self.inner.batcher else {
+            return;
+        };
+        let batch = batcher.next(self.queue);
+        if !batch.is_empty() {
+            tokio::spawn(drive(Arc::clone(self.inner), self.queue, batch));
+        }
+    }
+}
+
+impl Drop for Lead<'_> {
+    fn drop(&mut self) {
+        self.hand_over();
+    }
+}
+
+/// Runs `queue`'s calls one after another until nothing waits on it: each call decides what
+/// queued while the one before was in flight.
+async fn drive(inner: Arc<Inner>, queue: u16, mut batch: Vec<Pending>) {
+    // Should a call panic, the queue must not stay "in flight" with nobody to drain it.
+    struct Drained<'a> {
+        inner: &'a Inner,
+        queue: u16,
+        done: bool,
+    }
+    impl Drop for Drained<'_> {
+        fn drop(&mut self) {
+            if !self.done
+                && let Some(batcher) = &self.inner.batcher
+            {
+                batcher.abandon(
+                    self.queue,
+                    RedisError::Protocol("a batch of decisions was lost".to_string()),
+                );
+            }
+        }
+    }
+    let mut drained = Drained {
+        inner: &inner,
+        queue,
+        done: false,
+    };
+    while !batch.is_empty() {
+        inner.run_batch(batch).await;
+        batch = match &inner.batcher {
+            Some(batcher) => batcher.next(queue),
+            None => Vec::new(),
+        };
+    }
+    drained.done = true;
 }
 
 impl Drop for Inner {
@@ -468,6 +649,8 @@ impl RedisStore {
             cluster,
             timeout,
             scripts: Scripts::new(path),
+            batcher: (settings.batch_max > 1).then(|| Batcher::new(settings.batch_max)),
+            queues: u16::try_from(settings.pool_size.clamp(1, 64)).unwrap_or(1),
             breaker: Mutex::new(Breaker::new(BREAKER_THRESHOLD, PROBE_EVERY)),
             shut_down: AtomicBool::new(false),
             subscriber: subscriber.clone(),
@@ -581,7 +764,7 @@ impl RedisStore {
             let all: Vec<&GlobalLimit<'_>> = limits.iter().collect();
             let (keys, args) =
                 script::decide_call(&all, shadow, leases, now_override, instance_now)?;
-            let reply = self.inner.eval(Call::Decide, keys, args).await?;
+            let reply = self.inner.decide_queued(keys, args).await?;
             let reply = script::decode_decide(&reply, limits.len(), shadow)?;
             Decision {
                 admitted: reply.admitted,
@@ -589,7 +772,9 @@ impl RedisStore {
                 per_limit: reply.per_limit,
             }
         } else {
-            self.decide_split(limits, shadow, leases, groups, now_override, instance_now)
+            // Boxed: a rare path (a Cluster request over several slots) whose future would
+            // otherwise make every decision's larger.
+            Box::pin(self.decide_split(limits, shadow, leases, groups, now_override, instance_now))
                 .await?
         };
         for (l, v) in limits.iter().zip(&mut decision.per_limit) {
@@ -598,6 +783,58 @@ impl RedisStore {
             }
         }
         Ok(decision)
+    }
+
+    /// Decides `requests` in one `decide_many` call, in order, each as [`RedisStore::decide_seen_from`]
+    /// would decide it alone at that point (the queues do this for requests that arrive while
+    /// a call is in flight; this picks the batch, for tests and tools). Every request's keys
+    /// must share one hash slot on a Cluster. Calendar windows are sent around each request's
+    /// `now_override`, or this instance's clock.
+    pub async fn decide_batch(
+        &self,
+        requests: &[BatchRequest<'_>],
+    ) -> Result<Vec<Decision>, RedisError> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.inner.check_breaker()?;
+        let mut batch = Vec::with_capacity(requests.len());
+        let mut replies = Vec::with_capacity(requests.len());
+        for r in requests {
+            let all: Vec<&GlobalLimit<'_>> = r.limits.iter().collect();
+            let instance_now = script::instance_now(r.now_override);
+            let (keys, args) =
+                script::decide_call(&all, &r.shadow, &r.leases, r.now_override, instance_now)?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            batch.push(Pending {
+                keys,
+                args,
+                reply: tx,
+            });
+            replies.push(rx);
+        }
+        let (keys, args) = batch::many_call(&batch);
+        let reply = self.inner.eval(Call::DecideMany, keys, args).await;
+        batch::answer(batch, reply);
+        let mut out = Vec::with_capacity(requests.len());
+        for (r, rx) in requests.iter().zip(replies) {
+            let reply = rx.await.map_err(|_| {
+                RedisError::Protocol("a batched decision got no answer".to_string())
+            })??;
+            let reply = script::decode_decide(&reply, r.limits.len(), &r.shadow)?;
+            let mut decision = Decision {
+                admitted: reply.admitted,
+                at: vec![reply.now; reply.per_limit.len()],
+                per_limit: reply.per_limit,
+            };
+            for (l, v) in r.limits.iter().zip(&mut decision.per_limit) {
+                if let (Algorithm::Concurrency(c), LimitVerdict::Rejected(rej)) = (l.algorithm, v) {
+                    rej.retry_after = c.retry_after();
+                }
+            }
+            out.push(decision);
+        }
+        Ok(out)
     }
 
     /// Gives back concurrency leases (`(lease set, lease id)`) whose requests ended, one
@@ -755,7 +992,7 @@ impl RedisStore {
             for (g, (((keys, args), _), _)) in calls.iter().enumerate() {
                 let inner = Arc::clone(&inner);
                 let (keys, args) = (keys.clone(), args.clone());
-                set.spawn(async move { (g, inner.eval(Call::Decide, keys, args).await) });
+                set.spawn(async move { (g, inner.decide_queued(keys, args).await) });
             }
             let mut replies: Vec<Option<Result<DecideReply, RedisError>>> = vec![None; calls.len()];
             while let Some(joined) = set.join_next().await {
@@ -974,6 +1211,14 @@ impl RedisStore {
     /// The circuit breaker's state.
     pub fn health(&self) -> Health {
         self.inner.breaker().health()
+    }
+
+    /// What the decide queues did since the store started (all zero with `batch_max: 1`).
+    pub fn batch_stats(&self) -> BatchStats {
+        self.inner
+            .batcher
+            .as_ref()
+            .map_or_else(BatchStats::default, Batcher::stats)
     }
 
     /// Whether the store talks to a Redis Cluster.

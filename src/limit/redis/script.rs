@@ -31,6 +31,15 @@ pub const DECIDE_LUA: &str = concat!(
     "\n",
     include_str!("lua/decide.lua")
 );
+/// `decide_many.lua` as sent: several requests' decisions in one call (the batcher's), each
+/// decided as `decide.lua` would decide it alone.
+pub const DECIDE_MANY_LUA: &str = concat!(
+    include_str!("lua/gcra.lua"),
+    "\n",
+    include_str!("lua/lib.lua"),
+    "\n",
+    include_str!("lua/decide_many.lua")
+);
 /// `refund.lua` as sent: gives back one limit's units an earlier decide call took (Cluster
 /// only, when another slot's call rejected the request).
 pub const REFUND_LUA: &str = concat!(
@@ -92,11 +101,12 @@ const SERVER_CLOCK: i64 = -1;
 pub const LIBRARY_LUA: &str = include_str!("lua/library.lua");
 
 /// The files library.lua includes, by the name its `--@` lines give.
-const LIBRARY_PARTS: [(&str, &str); 11] = [
+const LIBRARY_PARTS: [(&str, &str); 12] = [
     ("gcra.lua", include_str!("lua/gcra.lua")),
     ("lib.lua", include_str!("lua/lib.lua")),
     ("decide_gcra.lua", include_str!("lua/decide_gcra.lua")),
     ("decide.lua", include_str!("lua/decide.lua")),
+    ("decide_many.lua", include_str!("lua/decide_many.lua")),
     ("refund.lua", include_str!("lua/refund.lua")),
     ("peek.lua", include_str!("lua/peek.lua")),
     ("sync.lua", include_str!("lua/sync.lua")),
@@ -116,7 +126,7 @@ pub struct Library {
     /// What `FUNCTION LOAD` gets: the `#!lua name=` line, `local LIB = '<name>'`, the code.
     pub source: String,
     /// Function names, in [`Call`] order.
-    functions: [String; 8],
+    functions: [String; 9],
 }
 
 /// library.lua with its `--@` lines replaced by the files they name. bench/library_lua.sh does
@@ -181,10 +191,11 @@ pub enum Call {
     Release = 5,
     Renew = 6,
     Settle = 7,
+    DecideMany = 8,
 }
 
 impl Call {
-    const ALL: [Call; 8] = [
+    const ALL: [Call; 9] = [
         Call::Decide,
         Call::Refund,
         Call::Peek,
@@ -193,6 +204,7 @@ impl Call {
         Call::Release,
         Call::Renew,
         Call::Settle,
+        Call::DecideMany,
     ];
 
     /// The function's name in library.lua, after the library's name and `_`.
@@ -206,6 +218,7 @@ impl Call {
             Call::Release => "release",
             Call::Renew => "renew",
             Call::Settle => "settle",
+            Call::DecideMany => "decide_many",
         }
     }
 }
@@ -232,6 +245,7 @@ pub(super) struct Scripts {
     release: Script,
     renew: Script,
     settle: Script,
+    decide_many: Script,
     library: &'static Library,
     /// Set when forced to, or once Redis turned `FCALL` or `FUNCTION LOAD` down as unknown (or
     /// not permitted): from then on every call is an EVALSHA, which every Redis has.
@@ -270,6 +284,7 @@ impl Scripts {
             release: Script::from_lua(RELEASE_LUA),
             renew: Script::from_lua(RENEW_LUA),
             settle: Script::from_lua(SETTLE_LUA),
+            decide_many: Script::from_lua(DECIDE_MANY_LUA),
             library: library(),
             evalsha_only: AtomicBool::new(path == ScriptPath::Evalsha),
         }
@@ -293,6 +308,7 @@ impl Scripts {
             Call::Release => &self.release,
             Call::Renew => &self.renew,
             Call::Settle => &self.settle,
+            Call::DecideMany => &self.decide_many,
         }
     }
 

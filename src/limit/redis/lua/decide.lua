@@ -2,7 +2,7 @@
 -- `gcra.lua .. decide_gcra.lua .. lib.lua .. decide.lua` (see lib.lua for the per-limit
 -- parameters and keys); decide_gcra.lua answers first when every limit is gcra.
 --
--- Every limit is checked first; only if every enforced limit admits is anything committed
+-- The rule (lib.lua's decide_limits, which decide_many.lua shares): every limit is checked first; only if every enforced limit admits is anything committed
 -- (each limit that admitted, shadow ones included), so a rejected request writes nothing and
 -- a shadow limit is charged exactly when the request goes through, as in process. Written keys
 -- expire once their state is back to full.
@@ -24,31 +24,6 @@
 -- nothing was committed.
 
 local now = clock(ARGV[1])
-local floor_ms = tonumber(ARGV[2]) or 1
-local limits = read_limits(tonumber(ARGV[3]) or 0, 3, true)
-
 local out = { 1, now }
-local states = {}
-for i, l in ipairs(limits) do
-  local alg = ALG[l.algo]
-  local s = alg.load(l)
-  local admitted, remaining, reset_after, wait = alg.check(l, s, now)
-  states[i] = s
-  out[#out + 1] = admitted
-  out[#out + 1] = remaining
-  out[#out + 1] = reset_after
-  out[#out + 1] = wait
-  if admitted == 0 and not l.shadow then
-    out[1] = 0
-  end
-end
-
-if out[1] == 1 then
-  for i, l in ipairs(limits) do
-    if out[3 + (i - 1) * 4] == 1 then
-      ALG[l.algo].commit(l, states[i], now, floor_ms)
-    end
-  end
-end
-
+out[1] = decide_limits(read_limits(tonumber(ARGV[3]) or 0, 3, true), now, tonumber(ARGV[2]) or 1, out, 2)
 return out

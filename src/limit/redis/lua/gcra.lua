@@ -79,6 +79,60 @@ local function gcra_store(key, tat, now, floor_ms)
     redis.call('DEL', key)
   else
     local ms = math.max(1, fdiv(tat - now + 999, 1000), floor_ms)
-    redis.call('SET', key, fmt(tat), 'PX', ms)
+    redis.call('SET', key, fmt(tat), 'PX', fmt(ms))
+  end
+end
+
+-- Whether the n limits whose ARGV values follow index `at` are all gcra: each is then 7 values
+-- (code, count, period, burst, cost, max_delay, shadow) and one key. Strides of 7 hold up to
+-- the first limit that is not gcra, whose code is read where it is: a calendar limit's longer
+-- arguments (lib.lua) come after its code.
+local function all_gcra(at, n)
+  if n <= 0 then
+    return false
+  end
+  for i = 0, n - 1 do
+    if ARGV[at + 1 + i * 7] ~= '1' then
+      return false
+    end
+  end
+  return true
+end
+
+-- One request whose n limits are all gcra (all_gcra), decided as decide.lua decides (which
+-- documents the rule): every limit checked, the ones that admitted charged only if every
+-- enforced one admitted; decide_gcra.lua's path, which builds no table per limit. The limits'
+-- ARGV values follow index `at`, their keys are KEYS[1] on. The reply's 2 + 4n values go into
+-- `out`.
+local function gcra_decide(at, n, now, floor_ms, out)
+  out[1] = 1
+  out[2] = now
+  local tats = { 0 }
+  for i = 1, n do
+    local b = at + (i - 1) * 7
+    local count, period, burst = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+    local cost, max_delay = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
+    if not (count and period and burst and cost and max_delay) then
+      error('tollgate: malformed arguments for limit ' .. i)
+    end
+    local t, tau = gcra_consts(count, period, burst)
+    local admitted, remaining, reset_after, wait, new_tat =
+      gcra_check(num(redis.call('GET', KEYS[i])), now, t, tau, cost, burst, max_delay)
+    tats[i] = new_tat
+    local r = 2 + (i - 1) * 4
+    out[r + 1] = admitted
+    out[r + 2] = remaining
+    out[r + 3] = reset_after
+    out[r + 4] = wait
+    if admitted == 0 and ARGV[b + 7] ~= '1' then
+      out[1] = 0
+    end
+  end
+  if out[1] == 1 then
+    for i = 1, n do
+      if out[3 + (i - 1) * 4] == 1 then
+        gcra_store(KEYS[i], tats[i], now, floor_ms)
+      end
+    end
   end
 end

@@ -42,8 +42,10 @@ local function expire(keys, full_at, now, floor_ms)
 end
 
 -- Reads `n` limits from ARGV starting after index `at`, taking their keys from KEYS in order.
--- With `shadow` (decide.lua), each limit ends with one more value: 1 for a shadow limit, else 0.
-local function read_limits(n, at, shadow)
+-- With `shadow` (decide.lua), each limit ends with one more value: 1 for a shadow limit, else
+-- 0. With `no_keys` (decide_many.lua's limit specs) the keys are left empty, for the caller to
+-- fill in per request. Also returns the ARGV index of the last value read.
+local function read_limits(n, at, shadow, no_keys)
   local limits, k, b = {}, 1, at
   for i = 1, n do
     local l = {
@@ -55,6 +57,9 @@ local function read_limits(n, at, shadow)
       max_delay = tonumber(ARGV[b + 6]),
       keys = { KEYS[k] },
     }
+    if no_keys then
+      l.keys[1] = nil
+    end
     b = b + 6
     if l.algo == 5 then
       l.bounds = { tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
@@ -68,7 +73,9 @@ local function read_limits(n, at, shadow)
       l.shadow = ARGV[b + 1] == '1'
       b = b + 1
     end
-    if l.algo == 4 then
+    if no_keys then
+      -- keys filled in per request
+    elseif l.algo == 4 then
       l.keys[2] = KEYS[k + 1]
       k = k + 2
     else
@@ -80,12 +87,12 @@ local function read_limits(n, at, shadow)
     if l.algo < 1 or l.algo > 6 then
       error('tollgate: unknown algorithm ' .. tostring(l.algo))
     end
-    if l.keys[#l.keys] == nil then
+    if not no_keys and l.keys[#l.keys] == nil then
       error('tollgate: missing key for limit ' .. i)
     end
     limits[i] = l
   end
-  return limits
+  return limits, b
 end
 
 -- The start of the fixed window holding `now`, and the time left until it ends.
@@ -723,4 +730,118 @@ BUILD[6] = function()
       return redis.call('ZREM', l.keys[1], fmt(l.burst))
     end,
   }
+end
+
+-- decisions --------------------------------------------------------------------------------
+
+-- decide_many.lua's cache of gcra keys: the TAT each key has as the batch has left it so far
+-- (0: none, as GET of a missing or deleted key reads), and for a key the batch charged, the
+-- `now` and TTL floor of its last commit, written once at the end (gcra_flush) in the order
+-- first charged; `states`, decide_limits' scratch list.
+local function gcra_cache()
+  return { tat = {}, now = {}, floor = {}, order = {}, states = {} }
+end
+
+-- Reads the TATs of `keys` (a list) into the cache in one MGET: one redis.call for a batch
+-- instead of one GET per key. Keys the cache has already are left alone.
+local function gcra_prefetch(cache, keys)
+  local n = #keys
+  if n == 0 then
+    return
+  end
+  local values = redis.call('MGET', unpack(keys))
+  local tats = cache.tat
+  for i = 1, n do
+    local key = keys[i]
+    if tats[key] == nil then
+      tats[key] = num(values[i])
+    end
+  end
+end
+
+-- A key's TAT: from the cache, or read once and remembered.
+local function gcra_cached(cache, key)
+  local tat = cache.tat[key]
+  if tat == nil then
+    tat = num(redis.call('GET', key))
+    cache.tat[key] = tat
+  end
+  return tat
+end
+
+-- gcra_store into the cache: what a later decision of the batch reads is what it would have
+-- read after gcra_store (a TAT already past deletes the key: 0).
+local function gcra_defer(cache, key, tat, now, floor_ms)
+  if cache.now[key] == nil then
+    cache.order[#cache.order + 1] = key
+  end
+  if tat <= now then
+    tat = 0
+  end
+  cache.tat[key], cache.now[key], cache.floor[key] = tat, now, floor_ms
+end
+
+-- Each key the batch charged, written once, as its last commit would have written it.
+local function gcra_flush(cache)
+  for _, key in ipairs(cache.order) do
+    gcra_store(key, cache.tat[key], cache.now[key], cache.floor[key])
+  end
+end
+
+-- One request's decision over `limits` at `now` (decide.lua documents the rule and the
+-- reply): every limit is checked, and the ones that admitted are committed only if every
+-- enforced one admitted. The 4 reply values per limit go into `out` after index `o`; returns
+-- all_admitted (1|0: every enforced limit admitted). With
+-- `cache` (decide_many.lua), gcra keys are read through it and written to it (gcra_cached
+-- and gcra_defer above): the same arithmetic (gcra_check, which ALG[1] wraps) on the
+-- state a call one at a time would have read; the other algorithms read and write their keys
+-- as decide.lua does.
+local function decide_limits(limits, now, floor_ms, out, o, cache)
+  local all = 1
+  local states = cache and cache.states or {}
+  local n = #limits
+  -- Numeric loops, not ipairs: an iterator is a function call per step.
+  for i = 1, n do
+    local l = limits[i]
+    local admitted, remaining, reset_after, wait
+    if cache and l.algo == 1 then
+      local t, tau = l.t, l.tau
+      if t == nil then
+        t, tau = gcra_consts(l.count, l.period, l.burst)
+      end
+      local key = l.keys[1]
+      local tat = cache.tat[key]
+      if tat == nil then
+        tat = gcra_cached(cache, key)
+      end
+      admitted, remaining, reset_after, wait, states[i] =
+        gcra_check(tat, now, t, tau, l.cost, l.burst, l.max_delay)
+    else
+      local alg = ALG[l.algo]
+      local s = alg.load(l)
+      admitted, remaining, reset_after, wait = alg.check(l, s, now)
+      states[i] = s
+    end
+    local r = o + (i - 1) * 4
+    out[r + 1] = admitted
+    out[r + 2] = remaining
+    out[r + 3] = reset_after
+    out[r + 4] = wait
+    if admitted == 0 and not l.shadow then
+      all = 0
+    end
+  end
+  if all == 1 then
+    for i = 1, n do
+      if out[o + 1 + (i - 1) * 4] == 1 then
+        local l = limits[i]
+        if cache and l.algo == 1 then
+          gcra_defer(cache, l.keys[1], states[i], now, floor_ms)
+        else
+          ALG[l.algo].commit(l, states[i], now, floor_ms)
+        end
+      end
+    end
+  end
+  return all
 end

@@ -18,6 +18,7 @@
 --
 -- Functions (LIB .. '_' .. name), with the KEYS, ARGV and reply of the script of that name:
 --   decide     decide.lua (with decide_gcra.lua's all-gcra path first, as in the script)
+--   decide_many  decide_many.lua: several requests' decisions in one call (the batcher's)
 --   refund     refund.lua
 --   peek       peek.lua (flagged no-writes: it never writes, and Redis may run it on a
 --              read-only replica)
@@ -47,6 +48,11 @@ local function decide(keys, args)
   KEYS, ARGV = keys, args
 --@ decide_gcra.lua
 --@ decide.lua
+end
+
+local function decide_many(keys, args)
+  KEYS, ARGV = keys, args
+--@ decide_many.lua
 end
 
 local function refund(keys, args)
@@ -85,6 +91,7 @@ local function settle(keys, args)
 end
 
 redis.register_function(LIB .. '_decide', decide)
+redis.register_function(LIB .. '_decide_many', decide_many)
 redis.register_function(LIB .. '_refund', refund)
 redis.register_function{ function_name = LIB .. '_peek', callback = peek, flags = { 'no-writes' } }
 redis.register_function(LIB .. '_sync', sync)
