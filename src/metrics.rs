@@ -305,7 +305,7 @@ impl Metrics {
         );
         registry.register(
             "tollgate_delayed_abandoned",
-            "Delayed requests whose client went away while waiting (their slot stays consumed)",
+            "Delayed requests whose client went away while waiting (a gcra reservation stays consumed; a concurrency waiter takes no slot)",
             waiters_abandoned.clone(),
         );
         registry.register(
@@ -659,7 +659,7 @@ pub struct LimitMetrics {
     /// observed for a shadow limit).
     pub delay: Histogram,
     /// `tollgate_delayed_abandoned_total`: delayed requests whose client went away while
-    /// waiting; their slot stays consumed.
+    /// waiting; a gcra reservation stays consumed, a concurrency waiter takes no slot.
     pub abandoned: Counter,
     /// A concurrency limit's series ([`Metrics::slots`]); `None` for a rate limit.
     pub slots: Option<SlotMetrics>,

@@ -441,8 +441,11 @@ fn write_slots(
     };
     let _ = writeln!(
         out,
-        "    {shadow}at most {} requests of one key in flight at once, {per}",
-        slots.max_in_flight
+        "    {shadow}at most {} of one key in flight at once, {per}",
+        match slots.max_in_flight {
+            1 => "1 request".to_owned(),
+            n => format!("{n} requests"),
+        }
     );
     if l.on_limit == OnLimit::Delay && !l.max_delay.is_zero() && l.scope == Scope::Global {
         let _ = writeln!(

@@ -476,6 +476,10 @@ pub struct LeaseBook {
     seed: foldhash::fast::RandomState,
     next: AtomicU64,
     errors: Option<RedisErrors>,
+    /// Leases whose release failed (Redis unreachable as the request ended): given back at the
+    /// next tick, until the instant they would have run out by themselves. Without this a
+    /// live instance's slot would wait out its lease after a short Redis outage.
+    unreleased: Mutex<Vec<(String, u64, Instant)>>,
 }
 
 impl std::fmt::Debug for LeaseBook {
@@ -523,6 +527,7 @@ impl LeaseBook {
             seed: foldhash::fast::RandomState::default(),
             next: AtomicU64::new(0),
             errors,
+            unreleased: Mutex::new(Vec::new()),
         })
     }
 
@@ -568,7 +573,7 @@ impl LeaseBook {
     }
 
     /// Forgets lease `id` and gives it back in Redis, in the background.
-    fn release(&self, id: u64) {
+    fn release(self: &Arc<Self>, id: u64) {
         let Some(entry) = self.live.lock().remove(&id) else {
             // Renewal found it gone already (counted then): nothing to give back.
             return;
@@ -576,16 +581,26 @@ impl LeaseBook {
         if let Some(m) = &entry.metrics {
             m.in_flight.dec();
         }
-        self.send_release(entry.key, id, entry.metrics, entry.wake);
+        self.send_release(entry.key, id, entry.lease, entry.metrics, entry.wake);
     }
 
-    fn send_release(&self, key: String, id: u64, metrics: Option<SlotMetrics>, wake: Option<Wake>) {
+    fn send_release(
+        self: &Arc<Self>,
+        key: String,
+        id: u64,
+        lease: Micros,
+        metrics: Option<SlotMetrics>,
+        wake: Option<Wake>,
+    ) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             // No runtime (a test deciding outside one): the lease runs out by itself.
             return;
         };
-        let call = self.store.release(vec![(key, id)]);
+        let call = self.store.release(vec![(key.clone(), id)]);
         let errors = self.errors.clone();
+        let book = Arc::downgrade(self);
+        // At the latest it runs out a whole lease from now (renewed at most this long ago).
+        let until = Instant::now() + Duration::from_micros(lease);
         rt.spawn(async move {
             let released = call.await;
             // Given back (or not, and then it runs out): the first waiter asks either way.
@@ -604,10 +619,33 @@ impl LeaseBook {
                     if let Some(errors) = errors {
                         errors.count(e.kind());
                     }
-                    tracing::debug!(error = %e, "releasing a concurrency lease failed; it runs out by itself");
+                    tracing::debug!(error = %e, "releasing a concurrency lease failed; trying again");
+                    if let Some(book) = book.upgrade() {
+                        book.unreleased.lock().push((key, id, until));
+                    }
                 }
             }
         });
+    }
+
+    /// Gives back, in one call, the leases whose release failed and that have not run out by
+    /// now; kept for the next tick if this call fails too.
+    pub async fn release_failed(&self, now: Instant) {
+        let leases: Vec<(String, u64, Instant)> = {
+            let mut list = self.unreleased.lock();
+            list.retain(|(.., until)| *until > now);
+            std::mem::take(&mut *list)
+        };
+        if leases.is_empty() {
+            return;
+        }
+        let ask = leases.iter().map(|(k, id, _)| (k.clone(), *id)).collect();
+        if let Err(e) = self.store.release(ask).await {
+            if let Some(errors) = &self.errors {
+                errors.count(e.kind());
+            }
+            self.unreleased.lock().extend(leases);
+        }
     }
 
     /// Renews every lease due at `now` in one pass: one store call (per hash slot). A lease
@@ -666,7 +704,9 @@ async fn renew_loop(book: Weak<LeaseBook>) {
     loop {
         tick.tick().await;
         let Some(book) = book.upgrade() else { return };
-        book.renew_due(Instant::now()).await;
+        let now = Instant::now();
+        book.release_failed(now).await;
+        book.renew_due(now).await;
     }
 }
 
@@ -723,6 +763,7 @@ impl Drop for PendingLease {
             self.book.send_release(
                 std::mem::take(&mut self.key),
                 self.id,
+                self.lease,
                 None,
                 self.wake.take(),
             );
@@ -739,5 +780,87 @@ pub(super) struct Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.book.release(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    /// A store whose releases fail while `down`, and records the leases it gave back.
+    #[derive(Default)]
+    struct Flaky {
+        down: AtomicBool,
+        released: Mutex<Vec<(String, u64)>>,
+    }
+
+    impl AfterStore for Arc<Flaky> {
+        fn release(
+            &self,
+            leases: Vec<(String, u64)>,
+        ) -> BoxFuture<'static, Result<Vec<bool>, RedisError>> {
+            let result = if self.down.load(Ordering::SeqCst) {
+                Err(RedisError::Connection("refused".into()))
+            } else {
+                let n = leases.len();
+                self.released.lock().extend(leases);
+                Ok(vec![true; n])
+            };
+            Box::pin(async move { result })
+        }
+
+        fn renew(
+            &self,
+            leases: Vec<(String, u64, Micros)>,
+        ) -> BoxFuture<'static, Result<Vec<bool>, RedisError>> {
+            let n = leases.len();
+            Box::pin(async move { Ok(vec![true; n]) })
+        }
+
+        fn settle(
+            &self,
+            _: String,
+            _: Algorithm,
+            _: Settlement,
+        ) -> BoxFuture<'static, Result<bool, RedisError>> {
+            Box::pin(async { Ok(true) })
+        }
+    }
+
+    /// A release that fails (Redis unreachable as the request ends) is given back at a later
+    /// tick, once Redis answers, so a live instance's slot does not wait out its lease; one
+    /// whose lease has run out by then is dropped (Redis has freed it already).
+    #[tokio::test]
+    async fn a_failed_release_is_given_back_once_redis_answers() {
+        let flaky = Arc::new(Flaky::default());
+        let book = LeaseBook::new(Arc::new(Arc::clone(&flaky)), None);
+        flaky.down.store(true, Ordering::SeqCst);
+        let lease = book
+            .pending("tg:{r/l/k}:slots".into(), 60_000_000, None, None)
+            .confirm();
+        let short = book
+            .pending("tg:{r/l/j}:slots".into(), 1_000, None, None)
+            .confirm();
+        drop(lease);
+        drop(short);
+        // The spawned releases fail.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(flaky.released.lock().is_empty());
+        assert_eq!(book.unreleased.lock().len(), 2);
+        // Still down at the next tick: kept.
+        book.release_failed(Instant::now()).await;
+        assert_eq!(book.unreleased.lock().len(), 2);
+        // Redis answers again; the 1 ms lease has run out meanwhile and is not asked for.
+        flaky.down.store(false, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        book.release_failed(Instant::now()).await;
+        let released = flaky.released.lock().clone();
+        assert_eq!(released.len(), 1);
+        assert_eq!(released[0].0, "tg:{r/l/k}:slots");
+        assert!(book.unreleased.lock().is_empty());
     }
 }

@@ -528,16 +528,16 @@ mod tests {
             prop_assert!(worst_window(&admitted, |t| f.window(t).0) <= q.count);
         }
 
-        /// sliding_window: at most `count` plus one settlement per aligned window, and its
-        /// hard bound over a closed period (`2 × count - ceil(count / period)`) plus the
-        /// period's largest settlement.
+        /// sliding_window: at most `count` plus one settlement per aligned window. (Its hard
+        /// bound over any closed period, `2 × count - ceil(count / period)`, does not hold
+        /// with one settlement's slack once settlements land after a window rolls over: a
+        /// charge moved into `prev` is weighted down as the window goes on. The saved
+        /// regression case ce2bcd69 is such a timeline; docs/algorithms.md says so.)
         #[test]
         fn a_sliding_window_admits_no_more_true_cost_than_its_bound_plus_one_settlement(steps in steps()) {
             let q = quota();
             let admitted = run(&Algorithm::SlidingWindow(SlidingWindow::new(q)), &steps);
             prop_assert!(worst_window(&admitted, |t| t - t % q.period) <= q.count);
-            let hard = 2 * q.count - q.count.div_ceil(q.period);
-            prop_assert!(worst(&admitted, q.period, true) <= hard);
         }
 
         /// gcra: at most `burst + floor(period / T)` (its bound) plus the window's largest
