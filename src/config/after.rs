@@ -195,6 +195,20 @@ impl SettleConfig {
             .iter()
             .any(|&(lo, hi)| (lo..=hi).contains(&status))
     }
+
+    /// `refund_status` as written in the config: `503`, `500-599`.
+    pub fn refund_ranges(&self) -> Vec<String> {
+        self.refund_status
+            .iter()
+            .map(|&(lo, hi)| {
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo}-{hi}")
+                }
+            })
+            .collect()
+    }
 }
 
 /// As the YAML writes it: `cost_header: NAME`, `refund_status: ["500-599", "429"]`.
@@ -206,18 +220,7 @@ impl Serialize for SettleConfig {
             Some(h) => m.serialize_field("cost_header", h.as_str())?,
             None => m.skip_field("cost_header")?,
         }
-        let ranges: Vec<String> = self
-            .refund_status
-            .iter()
-            .map(|&(lo, hi)| {
-                if lo == hi {
-                    lo.to_string()
-                } else {
-                    format!("{lo}-{hi}")
-                }
-            })
-            .collect();
-        m.serialize_field("refund_status", &ranges)?;
+        m.serialize_field("refund_status", &self.refund_ranges())?;
         m.end()
     }
 }

@@ -330,11 +330,7 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>, now: jiff:
         join(&l.key, "+"),
         l.scope,
         l.cost,
-        if l.shadow {
-            "shadow (never rejects)"
-        } else {
-            "enforced"
-        },
+        enforcement(l),
     );
     let _ = writeln!(out, "    {}", admission_bound(l));
     if let Some(settle) = &l.settle {
@@ -421,11 +417,7 @@ fn write_slots(
         join(&l.key, "+"),
         slots.max_in_flight,
         l.scope,
-        if l.shadow {
-            "shadow (never rejects)"
-        } else {
-            "enforced"
-        },
+        enforcement(l),
     );
     let per = match l.scope {
         Scope::Global => format!(
@@ -468,17 +460,7 @@ fn settle_line(s: &crate::config::SettleConfig) -> String {
         ));
     }
     if !s.refund_status.is_empty() {
-        let ranges: Vec<String> = s
-            .refund_status
-            .iter()
-            .map(|&(lo, hi)| {
-                if lo == hi {
-                    lo.to_string()
-                } else {
-                    format!("{lo}-{hi}")
-                }
-            })
-            .collect();
+        let ranges = s.refund_ranges();
         parts.push(format!(
             "gives the charge back on status {}",
             ranges.join(", ")
@@ -660,4 +642,13 @@ fn join<T: std::fmt::Display>(items: &[T], sep: &str) -> String {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(sep)
+}
+
+/// Whether a limit rejects, as the summary says it.
+fn enforcement(l: &LimitConfig) -> &'static str {
+    if l.shadow {
+        "shadow (never rejects)"
+    } else {
+        "enforced"
+    }
 }
