@@ -419,7 +419,7 @@ fn parse_response_length(v: &[u8]) -> Option<u64> {
 }
 
 /// Appends `name: value\r\n`.
-#[inline]
+#[inline(always)]
 pub(crate) fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
