@@ -341,7 +341,8 @@ async fn watch(
     mut stop: tokio::sync::watch::Receiver<bool>,
     restarted: bool,
 ) {
-    let mut w = match crate::config::watch::ConfigWatch::new(&path) {
+    let loaded = shared.gateway.snapshot.load().config.source_hash;
+    let mut w = match crate::config::watch::ConfigWatch::new(&path, loaded) {
         Ok(w) => w,
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "cannot watch the config file; reload with SIGHUP or POST /admin/reload");

@@ -72,8 +72,11 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
         column: 0,
         message: format!("cannot read the config file: {e}"),
     })?;
+    let source_hash = watch::content_hash(&bytes);
     let text = utf8(bytes).map_err(|e| e.in_file(path))?;
-    parse_str(path, &text)
+    let mut config = parse_str(path, &text)?;
+    config.source_hash = Some(source_hash);
+    Ok(config)
 }
 
 /// A file's bytes as text; not UTF-8, refused at the bad byte (an editor shows it, a generic

@@ -47,6 +47,11 @@ pub struct Config {
     /// starting `warning:`. `check` prints them, `run` and reloads log them.
     #[serde(skip)]
     pub warnings: Vec<super::ConfigError>,
+    /// The hash of the file's bytes this config was loaded from (`None`: not from a file):
+    /// what the file watcher compares with first, so a save between the load and the
+    /// watcher's start is not missed.
+    #[serde(skip)]
+    pub source_hash: Option<u64>,
 }
 
 /// What runs, not how the file put it: the warnings name its lines, so the same settings

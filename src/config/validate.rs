@@ -78,6 +78,7 @@ pub(super) fn config(raw: RawConfig, base: &Path, warnings: &mut Vec<Invalid>) -
         limits: shared,
         routes,
         warnings: Vec::new(),
+        source_hash: None,
     })
 }
 

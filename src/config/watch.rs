@@ -49,15 +49,21 @@ fn dir_of(path: &Path) -> PathBuf {
 }
 
 fn hash_of(path: &Path) -> Option<u64> {
+    Some(content_hash(&std::fs::read(path).ok()?))
+}
+
+/// A file's bytes, hashed the same way in every process (a fixed seed).
+pub fn content_hash(bytes: &[u8]) -> u64 {
     use std::hash::BuildHasher;
-    let bytes = std::fs::read(path).ok()?;
-    Some(foldhash::fast::FixedState::with_seed(0).hash_one(&bytes))
+    foldhash::fast::FixedState::with_seed(0).hash_one(bytes)
 }
 
 impl ConfigWatch {
     /// Starts watching `path` (through its directory); the file's bytes now are what
-    /// [`changed`](Self::changed) compares with first.
-    pub fn new(path: &Path) -> notify::Result<Self> {
+    /// [`changed`](Self::changed) compares with first, unless they are not the bytes the
+    /// running config was loaded from (`loaded`, their hash): saved between the load and now,
+    /// they are a change, and `changed` resolves at once.
+    pub fn new(path: &Path, loaded: Option<u64>) -> notify::Result<Self> {
         let changed = Arc::new(tokio::sync::Notify::new());
         let n = changed.clone();
         let mut watcher =
@@ -70,11 +76,18 @@ impl ConfigWatch {
             })?;
         let dir = dir_of(path);
         watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        let mut last = std::fs::read(path).ok();
+        if let Some(loaded) = loaded
+            && last.as_deref().map(content_hash) != Some(loaded)
+        {
+            last = None;
+            changed.notify_one();
+        }
         Ok(Self {
             watcher,
             changed,
             path: path.to_path_buf(),
-            last: std::fs::read(path).ok(),
+            last,
             unreadable: false,
             others: Vec::new(),
             dirs: vec![dir],

@@ -98,6 +98,7 @@ fn spec_example_parses_to_what_it_says() {
         }),
         // The spec's own example loads without a warning.
         warnings: Vec::new(),
+        source_hash: None,
         routes: vec![RouteConfig {
             name: "users".into(),
             matcher: RouteMatch {
