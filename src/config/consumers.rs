@@ -187,18 +187,7 @@ fn one_override(
 fn find_plan<'p>(t: &Text, plans: &'p [Plan]) -> Checked<&'p Plan> {
     let name = t.value.trim();
     plans.iter().find(|p| p.name == name).ok_or_else(|| {
-        let known = if plans.is_empty() {
-            "the config has no top-level `plans:`".to_owned()
-        } else {
-            format!(
-                "plans: {}",
-                plans
-                    .iter()
-                    .map(|p| p.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        };
+        let known = overrides_file::known_plans(plans);
         Invalid::new(at(t), format!("`{name}` is not a plan ({known})"))
     })
 }

@@ -197,18 +197,7 @@ fn table(raw: RawTable, plans: &[Plan], fingerprint: u64) -> Result<OverridesTab
             // `plans` is a YAML map, far below 2^16 names in any file that loads.
             Some(i) => codes.push(u16::try_from(i + 1).unwrap_or(u16::MAX)),
             None => {
-                let known = if plans.is_empty() {
-                    "the config has no `plans:`".to_owned()
-                } else {
-                    format!(
-                        "plans: {}",
-                        plans
-                            .iter()
-                            .map(|p| p.name.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )
-                };
+                let known = known_plans(plans);
                 return Err(Invalid::new(
                     *at,
                     format!(
@@ -455,6 +444,15 @@ impl<'de> Visitor<'de> for TableVisitor {
         t.arena.shrink_to_fit();
         Ok(t)
     }
+}
+
+/// The plans a name could have been, for a refusal: `plans: free, pro`.
+pub(super) fn known_plans(plans: &[Plan]) -> String {
+    if plans.is_empty() {
+        return "the config has no top-level `plans:`".to_owned();
+    }
+    let names: Vec<&str> = plans.iter().map(|p| p.name.as_str()).collect();
+    format!("plans: {}", names.join(", "))
 }
 
 #[cfg(test)]

@@ -627,7 +627,7 @@ fn spawn_sentinel(
         ),
     )
     .map_err(|e| format!("writing {}: {e}", conf.display()))?;
-    let mut child = Command::new(redis_binary("redis-server"))
+    let child = Command::new(redis_binary("redis-server"))
         .arg(&conf)
         .arg("--sentinel")
         .stdin(Stdio::null())
@@ -636,24 +636,7 @@ fn spawn_sentinel(
         .spawn()
         .map_err(|e| format!("spawning redis-server --sentinel: {e}"))?;
     watchdog(child.id(), dir);
-    let deadline = Instant::now() + START_TIMEOUT;
-    loop {
-        if ping(port) {
-            return Ok(child);
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!(
-                "sentinel exited with {status} on port {port}: {log}"
-            ));
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("sentinel on port {port} did not answer PING"));
-        }
-        sleep(Duration::from_millis(10));
-    }
+    answering(child, port, &log, "sentinel")
 }
 
 fn start_cluster_node() -> ClusterNode {
@@ -739,7 +722,7 @@ fn redis_binary(name: &str) -> PathBuf {
 fn spawn_server(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let log = dir.join("redis.log");
-    let mut child = Command::new(redis_binary("redis-server"))
+    let child = Command::new(redis_binary("redis-server"))
         .args(["--port", &port.to_string()])
         .args(["--bind", "127.0.0.1"])
         .args(["--save", ""])
@@ -756,21 +739,25 @@ fn spawn_server(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String
         .spawn()
         .map_err(|e| format!("spawning redis-server: {e}"))?;
     watchdog(child.id(), dir);
+    answering(child, port, &log, "redis-server")
+}
+
+/// `child` once it answers PING on `port`; its log (`log`) in the error if it exits first, or
+/// killed if it does not answer within [`START_TIMEOUT`].
+fn answering(mut child: Child, port: u16, log: &Path, what: &str) -> Result<Child, String> {
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         if ping(port) {
             return Ok(child);
         }
         if let Ok(Some(status)) = child.try_wait() {
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!(
-                "redis-server exited with {status} on port {port}: {log}"
-            ));
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            return Err(format!("{what} exited with {status} on port {port}: {log}"));
         }
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("redis-server on port {port} did not answer PING"));
+            return Err(format!("{what} on port {port} did not answer PING"));
         }
         sleep(Duration::from_millis(10));
     }
