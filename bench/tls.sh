@@ -95,36 +95,9 @@ declare -A KIND_LABEL=(
 # Goals of issue 21 (tollgate / nginx, requests per second); "-" is information only.
 declare -A GOAL=([http]=1.25 [https]=1.1 [new]=1.0 [h2]=1.0 [h2c]=- [full]=-)
 
-log() { printf '[tls.sh %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "error: $*"; exit 2; }
-
-# ---------------------------------------------------------------- cleanup
-PIDS=()
-TMP=""
-cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM
-    local pid kids=() p
-    for pid in "${PIDS[@]}"; do
-        if kill -0 "$pid" 2>/dev/null; then
-            for p in $(pgrep -P "$pid" 2>/dev/null || true); do kids+=("$p"); done
-            kill -TERM "$pid" 2>/dev/null || true
-        fi
-    done
-    local deadline=$((SECONDS + 5))
-    for pid in "${PIDS[@]}" "${kids[@]}"; do
-        while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 0.1; done
-        kill -KILL "$pid" 2>/dev/null || true
-    done
-    wait 2>/dev/null || true
-    if [[ -n "$TMP" && -d "$TMP" ]]; then
-        if [[ "$KEEP" == 1 ]]; then log "kept $TMP"; else rm -rf "$TMP"; fi
-    fi
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'log "interrupted"; exit 130' INT
-trap 'log "terminated"; exit 143' TERM
+HARNESS=tls.sh
+# shellcheck source=bench/harness.sh
+source "$HERE/harness.sh"
 
 # ---------------------------------------------------------------- tools
 ensure_tools() {
