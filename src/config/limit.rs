@@ -254,6 +254,19 @@ pub(super) fn limit(
         calendar: calendar.as_ref().map(|c| c.unit),
     };
     let settle = super::after::settle(raw.settle.take(), algorithm, consistency)?;
+    let reserve_ahead = super::reserve::reserve_ahead(
+        raw.reserve_ahead.as_ref(),
+        &super::reserve::Around {
+            algorithm,
+            scope,
+            consistency,
+            on_limit,
+            settles: settle.is_some(),
+            rate,
+            burst,
+            cost,
+        },
+    )?;
     let overrides = match raw.overrides {
         Some(list) => super::consumers::overrides(list, &shape, consumers, warnings)?,
         None => Vec::new(),
@@ -284,6 +297,7 @@ pub(super) fn limit(
         shared: false,
         concurrency: slots,
         settle,
+        reserve_ahead,
     })
 }
 

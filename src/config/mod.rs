@@ -16,6 +16,7 @@ mod raw;
 pub mod redis;
 mod redis_section;
 mod rejection;
+pub mod reserve;
 mod summary;
 mod types;
 mod validate;

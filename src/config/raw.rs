@@ -161,6 +161,8 @@ pub(super) struct RawLimit {
     pub lease: Option<Text>,
     pub retry_after: Option<Text>,
     pub settle: Option<Spanned<RawSettle>>,
+    // Strict global gcra limits spent in process (config/reserve.rs).
+    pub reserve_ahead: Option<Text>,
 }
 
 /// A limit's `settle:`.

@@ -356,6 +356,10 @@ pub struct LimitConfig {
     pub concurrency: Option<ConcurrencyConfig>,
     /// `settle:`: after the response, the true cost is charged (or the charge given back).
     pub settle: Option<SettleConfig>,
+    /// `reserve_ahead` (strict global gcra only): how long units an instance reserved in Redis
+    /// may be spent in process; the burst every decision is made against is smaller by the
+    /// units of that much time (config/reserve.rs).
+    pub reserve_ahead: Option<Duration>,
 }
 
 impl LimitConfig {
@@ -513,7 +517,7 @@ impl Serialize for LimitConfig {
         if let Some(slots) = &self.concurrency {
             return self.serialize_slots(slots, s);
         }
-        let mut m = s.serialize_struct("LimitConfig", 16)?;
+        let mut m = s.serialize_struct("LimitConfig", 17)?;
         m.serialize_field("name", &self.name)?;
         m.serialize_field("key", &self.key)?;
         m.serialize_field("on_missing", &self.on_missing)?;
@@ -556,6 +560,10 @@ impl Serialize for LimitConfig {
         match &self.settle {
             Some(settle) => m.serialize_field("settle", settle)?,
             None => m.skip_field("settle")?,
+        }
+        match self.reserve_ahead {
+            Some(ahead) => m.serialize_field("reserve_ahead", &DurationText(ahead).to_string())?,
+            None => m.skip_field("reserve_ahead")?,
         }
         m.end()
     }

@@ -19,8 +19,9 @@ use smallvec::SmallVec;
 
 use super::algorithm::{Micros, Rejection, Snapshot};
 use super::held::{Held, PendingLease};
-use super::local::deny::{Probe, ProbeGuard};
-use super::redis::{Decision, GlobalLimit, LimitVerdict, RedisError, RedisStore};
+use super::local::deny::{Probe, ProbeGuard, Take};
+use super::redis::{Decision, GlobalLimit, Grant, LimitVerdict, RedisError, RedisStore};
+use super::reserve::Reserve;
 use super::{Context, Limit, LimitSet, Results, Span, Verdict, micros, warn_deny};
 use crate::config::OnError;
 
@@ -71,6 +72,15 @@ pub trait GlobalStore: Sync {
         interval_tau: (Micros, Micros),
     ) -> impl Future<Output = Result<(Micros, Micros), RedisError>> + Send;
 
+    /// A reservation of at least `limit.cost` and up to `want` units of a gcra `limit` (its
+    /// burst already the reserving rate's smaller one): as many as fit now, or the rejection a
+    /// decision of `limit.cost` would get (see `Gcra::grant`).
+    fn reserve(
+        &self,
+        limit: &GlobalLimit<'_>,
+        want: u64,
+    ) -> impl Future<Output = Result<Grant, RedisError>> + Send;
+
     /// Deletes `keys` in one step (the admin API's reset: one key's state of one limit, all
     /// in one hash slot) and returns how many existed. The next decision on them finds the
     /// key full.
@@ -117,6 +127,14 @@ impl GlobalStore for RedisStore {
         RedisStore::sync_gcra(self, key, units, interval_tau)
     }
 
+    fn reserve(
+        &self,
+        limit: &GlobalLimit<'_>,
+        want: u64,
+    ) -> impl Future<Output = Result<Grant, RedisError>> + Send {
+        RedisStore::reserve(self, limit, want, None)
+    }
+
     fn reset(&self, keys: Vec<String>) -> impl Future<Output = Result<u64, RedisError>> + Send {
         RedisStore::reset(self, keys)
     }
@@ -134,6 +152,22 @@ struct Probed<'s> {
     sent: Micros,
 }
 
+/// Units a request took from its limits' reservations: limit, key span, rate, and the
+/// reservation's identity.
+type Spent = SmallVec<[(usize, usize, usize, u16, Micros); 2]>;
+
+/// What a reserving limit's key gave a request.
+enum Reserved {
+    /// Its units, from a reservation: the snapshot for its fields and the reservation's
+    /// identity.
+    Spent(Snapshot, Micros),
+    /// Redis refused the key's reservation.
+    Refused(Rejection),
+    /// No reservation could be made (Redis failed, or the wait for another request's ran
+    /// out): decide it per request.
+    Ask,
+}
+
 /// The in-process tier's answer for one key.
 enum Tier<'s> {
     /// Redis is known to reject it now.
@@ -143,7 +177,8 @@ enum Tier<'s> {
 }
 
 impl LimitSet {
-    /// Decides a request with at least one strict global limit (see the module doc).
+    /// Decides a request with at least one strict global limit (see the module doc). Units it
+    /// took from reservations (`reserve_ahead`) go back to them unless it is admitted.
     pub(super) async fn evaluate_global<G: GlobalStore>(
         &self,
         keys: &[u8],
@@ -152,9 +187,33 @@ impl LimitSet {
         started: std::time::Instant,
         held: &mut Held,
     ) -> Verdict {
+        let mut spent = Spent::new();
+        let verdict = self
+            .evaluate_global_spending(keys, spans, cx, started, held, &mut spent)
+            .await;
+        if !spent.is_empty() && !matches!(verdict, Verdict::Admit { .. }) {
+            let now = cx.clock.now();
+            for (i, s, e, r, until) in spent {
+                let l = &self.limits[i];
+                l.deny_cache
+                    .give_back(&keys[s..e], now, l.rate(r).id, l.cost, until);
+            }
+        }
+        verdict
+    }
+
+    async fn evaluate_global_spending<G: GlobalStore>(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        started: std::time::Instant,
+        held: &mut Held,
+        spent: &mut Spent,
+    ) -> Verdict {
         let mut results = Results::new();
         let probed = match self
-            .probe_tier(keys, spans, cx, started, &mut results)
+            .probe_tier(keys, spans, cx, started, &mut results, spent)
             .await
         {
             Ok(probed) => probed,
@@ -206,13 +265,14 @@ impl LimitSet {
     /// Step 1, the in-process tier: an enforced limit's key that Redis is known to reject now
     /// answers the request at once (`Err`); a shadow one's goes into `results` and is not
     /// asked about. The others are left to the store.
-    async fn probe_tier<'s, G>(
+    async fn probe_tier<'s, G: GlobalStore>(
         &'s self,
         keys: &[u8],
         spans: &[Span],
         cx: &Context<'_, G>,
         started: std::time::Instant,
         results: &mut Results,
+        spent: &mut Spent,
     ) -> Result<Probed<'s>, Verdict> {
         let mut probed = Probed {
             to_store: SmallVec::new(),
@@ -225,6 +285,22 @@ impl LimitSet {
                 // A slot frees when a request ends, not at a time the tier could remember:
                 // Redis decides every one.
                 probed.to_store.push((i, s, e, r));
+                continue;
+            }
+            if let Some(reserve) = &l.rate(r).reserve {
+                match self.reserved(l, reserve, &keys[s..e], r, cx).await {
+                    Reserved::Spent(snapshot, until) => {
+                        self.tiers.reserved.inc();
+                        spent.push((i, s, e, r, until));
+                        results.push((i, Ok((snapshot, 0))));
+                    }
+                    Reserved::Refused(rejection) if !l.shadow => {
+                        return Err(self.conclude(&[(i, Err(rejection))], cx));
+                    }
+                    Reserved::Refused(rejection) => results.push((i, Err(rejection))),
+                    // Decided per request with the others, against the same smaller burst.
+                    Reserved::Ask => probed.to_store.push((i, s, e, r)),
+                }
                 continue;
             }
             match self
@@ -244,6 +320,87 @@ impl LimitSet {
             }
         }
         Ok(probed)
+    }
+
+    /// A reserving limit's key (`reserve_ahead`): the request's units from this instance's
+    /// reservation, or from a new one this request makes in Redis (one request per key at a
+    /// time; the others wait for it, within `probe_wait`). `Ask` when none could be made: the
+    /// request is then decided in Redis with its other global limits.
+    async fn reserved<G: GlobalStore>(
+        &self,
+        l: &Limit,
+        reserve: &Reserve,
+        key: &[u8],
+        r: u16,
+        cx: &Context<'_, G>,
+    ) -> Reserved {
+        let rate = l.rate(r).id;
+        let deadline = cx.now + micros(cx.probe_wait);
+        let mut now = cx.now;
+        loop {
+            match l.deny_cache.take(key, now, rate, l.cost) {
+                Take::Spent(snapshot, until) => return Reserved::Spent(snapshot, until),
+                Take::Refused(rejection) => {
+                    self.tiers.in_process.inc();
+                    return Reserved::Refused(rejection);
+                }
+                Take::Follow if now < deadline => {
+                    let left = Duration::from_micros(deadline - now);
+                    l.deny_cache.wait_probe(key, now, left).await;
+                    now = cx.clock.now();
+                }
+                Take::Follow => return Reserved::Ask,
+                Take::Lead(_lead, sizing) => {
+                    let Some(store) = cx.redis else {
+                        return Reserved::Ask;
+                    };
+                    let redis_key = l.redis_key(key);
+                    let limit = GlobalLimit {
+                        algorithm: &reserve.algorithm,
+                        key: &redis_key,
+                        cost: l.cost,
+                        max_delay: 0,
+                    };
+                    let sent = cx.clock.now();
+                    let want = reserve.want(l.cost, sizing);
+                    return match store.reserve(&limit, want).await {
+                        Ok(Grant {
+                            verdict: Ok((units, snapshot)),
+                            ..
+                        }) => {
+                            self.tiers.redis.inc();
+                            let until = sent + reserve.ahead;
+                            l.deny_cache.granted(
+                                key,
+                                sent,
+                                rate,
+                                (units, l.cost),
+                                &snapshot,
+                                until,
+                            );
+                            Reserved::Spent(
+                                Snapshot {
+                                    remaining: snapshot.remaining + (units - l.cost),
+                                    ..snapshot
+                                },
+                                until,
+                            )
+                        }
+                        Ok(Grant {
+                            verdict: Err(rejection),
+                            ..
+                        }) => {
+                            self.tiers.redis.inc();
+                            l.deny_cache.rejected(key, sent, &rejection, 0, rate);
+                            Reserved::Refused(rejection)
+                        }
+                        // Counted by the per-request call that follows, which meets the
+                        // same Redis.
+                        Err(_) => Reserved::Ask,
+                    };
+                }
+            }
+        }
     }
 
     /// The in-process tier for one key, at `now` (moved on by any wait). For a hot key that
@@ -332,8 +489,14 @@ impl LimitSet {
             .zip(&redis_keys)
             .map(|(&(i, _, _, r), key)| {
                 let l = &self.limits[i];
+                let rate = l.rate(r);
                 GlobalLimit {
-                    algorithm: &l.rate(r).algorithm,
+                    // A reserving rate's per-request decisions use its smaller burst, as its
+                    // reservations do: the bound holds only if every decision does.
+                    algorithm: rate
+                        .reserve
+                        .as_ref()
+                        .map_or(&rate.algorithm, |reserve| &reserve.algorithm),
                     key,
                     cost: l.cost,
                     max_delay: l.delay_allowed(cx.allow_delay),

@@ -34,6 +34,7 @@ pub mod local;
 pub mod overrides;
 pub mod queue;
 pub mod redis;
+pub mod reserve;
 #[cfg(test)]
 mod tests;
 pub mod top;
@@ -563,6 +564,8 @@ pub struct TierMetrics {
     pub in_process: Counter,
     /// Global decisions Redis answered.
     pub redis: Counter,
+    /// Global decisions answered from units this instance reserved in Redis (`reserve_ahead`).
+    pub reserved: Counter,
     /// Global decisions made by the local stores because Redis could not answer
     /// (`on_error: allow`).
     pub fallback: Counter,
@@ -581,6 +584,7 @@ impl TierMetrics {
             local: m.tier("local", "local"),
             in_process: m.tier("global", "in_process"),
             redis: m.tier("global", "redis"),
+            reserved: m.tier("global", "reserved"),
             fallback: m.tier("global", "fallback"),
             local_duration: m.limiter_duration("local"),
             in_process_duration: m.limiter_duration("in_process"),

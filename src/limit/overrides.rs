@@ -51,6 +51,10 @@ pub struct LimitRate {
     pub id: u32,
     /// The plan it came from, for the admin API; `None` for the limit's own and inline rates.
     pub plan: Option<Arc<str>>,
+    /// `reserve_ahead`: this rate's reservations, and the smaller burst its decisions are made
+    /// against. `None` without `reserve_ahead`, or when the burst left would not admit one
+    /// request (an override's rate is then decided per request).
+    pub reserve: Option<super::reserve::Reserve>,
 }
 
 /// A limit's overrides, compiled.
@@ -239,6 +243,10 @@ fn limit_rate(config: &LimitConfig, rate: Rate, burst: u64, plan: Option<&str>) 
         count: rate.count,
         id: rate_id(config.algorithm, config.calendar.as_ref(), rate, burst),
         plan: plan.map(Arc::from),
+        reserve: config
+            .reserve_ahead
+            .filter(|_| config.algorithm == AlgorithmKind::Gcra)
+            .and_then(|ahead| super::reserve::Reserve::new(quota, ahead, config.cost)),
     }
 }
 

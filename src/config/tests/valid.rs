@@ -76,6 +76,7 @@ fn spec_limit() -> LimitConfig {
         shared: false,
         concurrency: None,
         settle: None,
+        reserve_ahead: None,
     }
 }
 
@@ -235,6 +236,7 @@ fn defaults_are_applied() {
                 shared: false,
                 concurrency: None,
                 settle: None,
+                reserve_ahead: None,
             }],
             rejection: None,
         }
@@ -274,6 +276,7 @@ fn defaults_are_applied() {
             shared: false,
             concurrency: None,
             settle: None,
+            reserve_ahead: None,
         }
     );
     assert_eq!(prefix.matcher.path, PathMatch::Prefix("/static".into()));

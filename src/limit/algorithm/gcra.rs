@@ -164,6 +164,27 @@ impl Gcra {
             Err(rejection) => Err(rejection),
         }
     }
+
+    /// A reservation (`reserve_ahead`): at least `cost` units and up to `want`, taken at once
+    /// for one instance to spend in process. As many as fit now are granted, so a key near its
+    /// limit gets what it still has rather than nothing; fewer than `cost` is a rejection, the
+    /// same a decision of `cost` gets. The state moves on by the units granted. `reserve.lua`
+    /// repeats this step for step.
+    ///
+    /// Strict only when this gcra is the limit's with its burst reduced by the units of one
+    /// reservation's life (see `LimitRate::reserve`), and every decision on the key uses it.
+    pub fn grant(
+        &self,
+        state: &mut GcraState,
+        now: Micros,
+        cost: u64,
+        want: u64,
+    ) -> Result<(u64, Snapshot), Rejection> {
+        let first = self.check(state, now, cost)?;
+        let granted = cost + want.saturating_sub(cost).min(first.remaining);
+        self.commit(state, now, granted);
+        Ok((granted, self.peek(state, now)))
+    }
 }
 
 #[cfg(test)]
@@ -188,6 +209,56 @@ mod tests {
         let snapshot = g.check(s, now, cost).expect("admitted");
         g.commit(s, now, cost);
         snapshot
+    }
+
+    #[test]
+    fn a_grant_takes_what_fits_up_to_the_want_and_never_less_than_the_cost() {
+        let g = ten_per_second_burst_5();
+        let mut s = g.new_state();
+        // A full bucket of 5 (plus the one the interval always admits): 4 of 4 wanted.
+        let (granted, snap) = g.grant(&mut s, 0, 1, 4).expect("granted");
+        assert_eq!((granted, snap.remaining), (4, 1));
+        // 3 wanted, 1 fits.
+        let (granted, snap) = g.grant(&mut s, 0, 1, 3).expect("granted");
+        assert_eq!((granted, snap.remaining), (1, 0));
+        // Nothing fits: the rejection of a decision of the same cost.
+        let r = g.grant(&mut s, 0, 1, 3).unwrap_err();
+        assert_eq!(r, g.check(&s, 0, 1).unwrap_err());
+        // A cost of 2 after 200 ms: exactly 2 fit.
+        assert_eq!(g.grant(&mut s, 200_000, 2, 10).map(|(n, _)| n), Ok(2));
+    }
+
+    proptest! {
+        /// A grant is the largest decision of at most `want` that the bucket admits: one unit
+        /// more would have been refused, and the state is that decision's commit.
+        #[test]
+        fn a_grant_is_the_largest_admissible_decision(
+            tat in 0u64..3_000_000,
+            now in 0u64..3_000_000,
+            cost in 1u64..4,
+            extra in 0u64..20,
+        ) {
+            let g = ten_per_second_burst_5();
+            let state = GcraState { tat };
+            let mut granted_state = state;
+            match g.grant(&mut granted_state, now, cost, cost + extra) {
+                Ok((n, snap)) => {
+                    prop_assert!(n >= cost && n <= cost + extra);
+                    prop_assert!(g.check(&state, now, n).is_ok());
+                    if n < cost + extra {
+                        prop_assert!(g.check(&state, now, n + 1).is_err());
+                    }
+                    let mut committed = state;
+                    g.commit(&mut committed, now, n);
+                    prop_assert_eq!(granted_state, committed);
+                    prop_assert_eq!(snap, g.peek(&committed, now));
+                }
+                Err(r) => {
+                    prop_assert_eq!(Err(r), g.check(&state, now, cost));
+                    prop_assert_eq!(granted_state, state);
+                }
+            }
+        }
     }
 
     #[test]

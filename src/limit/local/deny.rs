@@ -21,7 +21,7 @@
 use super::sharded::{Rank, Sharded};
 use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Deny {
     /// Earliest local time Redis could admit the next request right away.
     admit_at: Micros,
@@ -34,6 +34,37 @@ struct Deny {
     /// key moved to another plan, by a reload or an override on its address or headers) is
     /// never answered from this entry, only by Redis, which then replaces it.
     rate: u32,
+    /// `reserve_ahead`: units reserved in Redis left to spend here, and the local time they
+    /// must be spent by (their call's send time plus `reserve_ahead`; also the reservation's
+    /// identity, for giving units back to it).
+    units: u64,
+    until: Micros,
+    /// The last reservation's size, send time and units spent from it: how the next is sized.
+    granted: u64,
+    granted_at: Micros,
+    spent: u64,
+}
+
+impl Deny {
+    /// An entry outlives what it knows by the probe window: its `admit_at` (a rejection), or
+    /// its reservation's `until`.
+    fn expires_at(&self) -> Micros {
+        self.admit_at.max(self.until) + PROBE_WINDOW
+    }
+}
+
+/// What [`DenyCache::take`] found for a request of a reserving limit.
+pub enum Take<'a> {
+    /// Its units were taken from this instance's reservation: the snapshot for its fields, and
+    /// the reservation's identity ([`DenyCache::give_back`]).
+    Spent(Snapshot, Micros),
+    /// Redis refused the key's last reservation, and would refuse now.
+    Refused(Rejection),
+    /// Reserve in Redis (and learn the answer with [`DenyCache::granted`] or
+    /// [`DenyCache::rejected`]); the others wait until the guard drops.
+    Lead(ProbeGuard<'a>, crate::limit::reserve::Sizing),
+    /// Another request is reserving for this key now: wait for it, then take again.
+    Follow,
 }
 
 /// How long an entry outlives its `admit_at`: the window in which concurrent requests for a
@@ -79,16 +110,10 @@ impl Drop for ProbeGuard<'_> {
                 hash,
                 &self.key,
                 0,
-                || Deny {
-                    admit_at: 0,
-                    reset_at: 0,
-                    remaining: 0,
-                    probing: false,
-                    rate: 0,
-                },
+                Deny::default,
                 |d, _| {
                     d.probing = false;
-                    d.admit_at + PROBE_WINDOW
+                    d.expires_at()
                 },
                 any_first,
             );
@@ -153,7 +178,7 @@ impl DenyCache {
             || d,
             |d, _| {
                 d.probing = true;
-                d.admit_at + PROBE_WINDOW
+                d.expires_at()
             },
             any_first,
         );
@@ -191,8 +216,8 @@ impl DenyCache {
                 admit_at: sent + r.retry_after + max_delay,
                 reset_at: sent + r.reset_after.max(r.retry_after),
                 remaining: r.remaining,
-                probing: false,
                 rate,
+                ..Deny::default()
             },
             max_delay,
         );
@@ -228,12 +253,157 @@ impl DenyCache {
                     admit_at,
                     reset_at: sent + s.reset_after,
                     remaining: s.remaining,
-                    probing: false,
                     rate,
+                    ..Deny::default()
                 },
                 max_delay,
             );
         }
+    }
+
+    /// A reserving limit's request of `cost` for `key` under `rate`, at `now`: its units taken
+    /// from this instance's reservation when it has them, unspent past its `until`; else what
+    /// Redis last said when it refused; else this request reserves (`Lead`, one per key at a
+    /// time; the units a reservation has left that are too few or too late are dropped then),
+    /// or waits for the one that does.
+    pub fn take(&self, key: &[u8], now: Micros, rate: u32, cost: u64) -> Take<'_> {
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        let found = shard.find(hash, key);
+        let current = shard
+            .live_at(found, now)
+            .copied()
+            .filter(|d| d.rate == rate);
+        let mut take = Take::Follow;
+        shard.update_found(
+            found,
+            hash,
+            key,
+            now,
+            || Deny {
+                rate,
+                ..Deny::default()
+            },
+            |d, _| {
+                match current {
+                    Some(c) if c.units >= cost && now < c.until => {
+                        d.units -= cost;
+                        d.spent += cost;
+                        take = Take::Spent(
+                            Snapshot {
+                                remaining: d.units.saturating_add(d.remaining),
+                                reset_after: d.reset_at.saturating_sub(now),
+                            },
+                            d.until,
+                        );
+                    }
+                    Some(c) if c.admit_at > now => {
+                        take = Take::Refused(Rejection {
+                            retry_after: c.admit_at - now,
+                            remaining: c.remaining,
+                            reset_after: c.reset_at.saturating_sub(now),
+                        });
+                    }
+                    Some(c) if c.probing => {}
+                    _ => {
+                        // What was said under another rate says nothing under this one.
+                        let base = if current.is_some() {
+                            *d
+                        } else {
+                            Deny::default()
+                        };
+                        let sizing = crate::limit::reserve::Sizing {
+                            granted: base.granted,
+                            spent: base.spent,
+                            elapsed: now.saturating_sub(base.granted_at),
+                        };
+                        *d = Deny {
+                            probing: true,
+                            units: 0,
+                            rate,
+                            ..base
+                        };
+                        take = Take::Lead(
+                            ProbeGuard {
+                                cache: self,
+                                key: key.to_vec(),
+                            },
+                            sizing,
+                        );
+                    }
+                }
+                d.expires_at().max(now + PROBE_WINDOW)
+            },
+            any_first,
+        );
+        take
+    }
+
+    /// Learns a reservation Redis granted for `key` under `rate`, in a call sent at local time
+    /// `sent`: `units` in all, of which the reserving request took its `cost`; the rest may be
+    /// spent until `until`. `s` is the key's state in Redis after them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn granted(
+        &self,
+        key: &[u8],
+        sent: Micros,
+        rate: u32,
+        (units, cost): (u64, u64),
+        s: &Snapshot,
+        until: Micros,
+    ) {
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        shard.update(
+            hash,
+            key,
+            sent,
+            Deny::default,
+            |d, _| {
+                *d = Deny {
+                    admit_at: 0,
+                    reset_at: sent + s.reset_after,
+                    remaining: s.remaining,
+                    probing: d.probing,
+                    rate,
+                    units: units.saturating_sub(cost),
+                    until,
+                    granted: units,
+                    granted_at: sent,
+                    spent: cost.min(units),
+                };
+                d.expires_at()
+            },
+            any_first,
+        );
+    }
+
+    /// Gives `units` taken from the reservation `until` (see [`Take::Spent`]) back to it: the
+    /// request that took them was refused by another of its limits. Nothing when that
+    /// reservation has been replaced or is past its time: its units are spent or dropped.
+    pub fn give_back(&self, key: &[u8], now: Micros, rate: u32, units: u64, until: Micros) {
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        let found = shard.find(hash, key);
+        let Some(d) = shard.live_at(found, now).copied() else {
+            return;
+        };
+        if d.rate != rate || d.until != until || now >= until {
+            return;
+        }
+        shard.update_found(
+            found,
+            hash,
+            key,
+            now,
+            Deny::default,
+            |d, _| {
+                d.units += units;
+                d.spent = d.spent.saturating_sub(units);
+                d.expires_at()
+            },
+            any_first,
+        );
     }
 
     fn record(&self, key: &[u8], sent: Micros, d: Deny, max_delay: Micros) {
@@ -258,7 +428,7 @@ impl DenyCache {
                         ..d
                     };
                 }
-                cur.admit_at + PROBE_WINDOW
+                cur.expires_at()
             },
             any_first,
         );

@@ -52,8 +52,8 @@ pub use batch::{BatchStats, DEFAULT_BATCH_MAX, MAX_BATCH_ARGS};
 pub use breaker::{Breaker, Health, Transition};
 pub use error::RedisError;
 pub use script::{
-    DECIDE_LUA, DECIDE_MANY_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, ScriptPath,
-    check_params, hash_tag, library, redis_keys,
+    DECIDE_LUA, DECIDE_MANY_LUA, LIBRARY_LUA, Library, PEEK_LUA, REFUND_LUA, RESERVE_LUA,
+    ScriptPath, check_params, hash_tag, library, redis_keys,
 };
 
 use std::collections::BTreeMap;
@@ -176,6 +176,16 @@ pub struct BatchRequest<'a> {
     pub leases: Vec<u64>,
     /// Replaces the server clock for this request (tests only).
     pub now_override: Option<Micros>,
+}
+
+/// Redis's answer to a reservation ([`RedisStore::reserve`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// Units granted (at least the cost), with the key's state after them; or the rejection
+    /// a decision of the cost would have had.
+    pub verdict: Result<(u64, Snapshot), Rejection>,
+    /// The instant (Redis's clock) of the grant.
+    pub at: Micros,
 }
 
 /// Redis's answer for all of a request's global limits.
@@ -1172,6 +1182,42 @@ impl RedisStore {
                 u64::try_from(now).unwrap_or(0),
             )),
             _ => Err(RedisError::Protocol(format!("sync reply {reply:?}"))),
+        }
+    }
+
+    /// A reservation (reserve.lua, see `Gcra::grant`): at least `limit.cost` units of
+    /// `limit` (a gcra limit, its burst already reduced by what a reservation may outlive) and
+    /// up to `want`, as many as fit now, for this instance to spend in process.
+    pub async fn reserve(
+        &self,
+        limit: &GlobalLimit<'_>,
+        want: u64,
+        now_override: Option<Micros>,
+    ) -> Result<Grant, RedisError> {
+        self.inner.check_breaker()?;
+        let (keys, args) = script::reserve_call(limit, want, now_override)?;
+        let reply = self.inner.eval(Call::Reserve, keys, args).await?;
+        let num = |v: i64| u64::try_from(v).unwrap_or(0);
+        match reply[..] {
+            [granted, remaining, reset_after, retry_after, at] => Ok(Grant {
+                verdict: if granted > 0 {
+                    Ok((
+                        num(granted),
+                        Snapshot {
+                            remaining: num(remaining),
+                            reset_after: num(reset_after),
+                        },
+                    ))
+                } else {
+                    Err(Rejection {
+                        retry_after: num(retry_after).max(1),
+                        remaining: num(remaining),
+                        reset_after: num(reset_after),
+                    })
+                },
+                at: num(at),
+            }),
+            _ => Err(RedisError::Protocol(format!("reserve reply {reply:?}"))),
         }
     }
 

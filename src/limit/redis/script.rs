@@ -80,6 +80,13 @@ pub(super) const SETTLE_LUA: &str = concat!(
     include_str!("lua/settle.lua")
 );
 
+/// `reserve.lua` as sent: a reservation of units on one gcra key (`reserve_ahead`).
+pub const RESERVE_LUA: &str = concat!(
+    include_str!("lua/gcra.lua"),
+    "\n",
+    include_str!("lua/reserve.lua")
+);
+
 /// Eventual-consistency push/pull of one key's window counters (standalone: no shared math).
 pub(super) const SYNC_LUA: &str = include_str!("lua/sync.lua");
 /// The same for a gcra key: adds this instance's units to the shared TAT.
@@ -101,7 +108,7 @@ const SERVER_CLOCK: i64 = -1;
 pub const LIBRARY_LUA: &str = include_str!("lua/library.lua");
 
 /// The files library.lua includes, by the name its `--@` lines give.
-const LIBRARY_PARTS: [(&str, &str); 12] = [
+const LIBRARY_PARTS: [(&str, &str); 13] = [
     ("gcra.lua", include_str!("lua/gcra.lua")),
     ("lib.lua", include_str!("lua/lib.lua")),
     ("decide_gcra.lua", include_str!("lua/decide_gcra.lua")),
@@ -114,6 +121,7 @@ const LIBRARY_PARTS: [(&str, &str); 12] = [
     ("release.lua", include_str!("lua/release.lua")),
     ("renew.lua", include_str!("lua/renew.lua")),
     ("settle.lua", include_str!("lua/settle.lua")),
+    ("reserve.lua", include_str!("lua/reserve.lua")),
 ];
 
 /// The function library as loaded with `FUNCTION LOAD`: its name carries a digest of its code,
@@ -126,7 +134,7 @@ pub struct Library {
     /// What `FUNCTION LOAD` gets: the `#!lua name=` line, `local LIB = '<name>'`, the code.
     pub source: String,
     /// Function names, in [`Call`] order.
-    functions: [String; 9],
+    functions: [String; 10],
 }
 
 /// library.lua with its `--@` lines replaced by the files they name. bench/library_lua.sh does
@@ -192,10 +200,11 @@ pub enum Call {
     Renew = 6,
     Settle = 7,
     DecideMany = 8,
+    Reserve = 9,
 }
 
 impl Call {
-    const ALL: [Call; 9] = [
+    const ALL: [Call; 10] = [
         Call::Decide,
         Call::Refund,
         Call::Peek,
@@ -205,6 +214,7 @@ impl Call {
         Call::Renew,
         Call::Settle,
         Call::DecideMany,
+        Call::Reserve,
     ];
 
     /// The function's name in library.lua, after the library's name and `_`.
@@ -219,6 +229,7 @@ impl Call {
             Call::Renew => "renew",
             Call::Settle => "settle",
             Call::DecideMany => "decide_many",
+            Call::Reserve => "reserve",
         }
     }
 }
@@ -246,6 +257,7 @@ pub(super) struct Scripts {
     renew: Script,
     settle: Script,
     decide_many: Script,
+    reserve: Script,
     library: &'static Library,
     /// Set when forced to, or once Redis turned `FCALL` or `FUNCTION LOAD` down as unknown (or
     /// not permitted): from then on every call is an EVALSHA, which every Redis has.
@@ -285,6 +297,7 @@ impl Scripts {
             renew: Script::from_lua(RENEW_LUA),
             settle: Script::from_lua(SETTLE_LUA),
             decide_many: Script::from_lua(DECIDE_MANY_LUA),
+            reserve: Script::from_lua(RESERVE_LUA),
             library: library(),
             evalsha_only: AtomicBool::new(path == ScriptPath::Evalsha),
         }
@@ -309,6 +322,7 @@ impl Scripts {
             Call::Renew => &self.renew,
             Call::Settle => &self.settle,
             Call::DecideMany => &self.decide_many,
+            Call::Reserve => &self.reserve,
         }
     }
 
@@ -551,6 +565,33 @@ pub(super) fn decide_call(
         args.push(i64::from(shadow.get(i).copied().unwrap_or(false)));
     }
     Ok((keys, args))
+}
+
+/// KEYS and ARGV of one reserve.lua call: at least `limit.cost` units and up to `want` of
+/// `limit`, whose algorithm must be gcra (the reserving limit's, its burst already reduced).
+pub(super) fn reserve_call(
+    limit: &GlobalLimit<'_>,
+    want: u64,
+    now_override: Option<Micros>,
+) -> Result<(Vec<String>, Vec<i64>), RedisError> {
+    check_params(limit.algorithm, limit.cost, 0).map_err(RedisError::Script)?;
+    let Algorithm::Gcra(g) = limit.algorithm else {
+        return Err(RedisError::Script(
+            "only a gcra limit reserves units ahead".to_string(),
+        ));
+    };
+    let q = g.quota();
+    // check_params bounds every value by 2^50, so the casts are lossless.
+    let args = vec![
+        now_arg(now_override)?,
+        ttl_floor_ms(now_override),
+        q.count as i64,
+        q.period as i64,
+        q.burst as i64,
+        limit.cost as i64,
+        want.clamp(limit.cost, MAX_PARAM) as i64,
+    ];
+    Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 
 /// KEYS and ARGV of one refund.lua call undoing `limit`'s commit taken at `committed_at`

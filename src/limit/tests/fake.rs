@@ -11,7 +11,7 @@ use crate::limit::GlobalStore;
 use crate::limit::algorithm::{Algorithm, Micros, Snapshot};
 use crate::limit::clock::{Clock, ManualClock};
 use crate::limit::local::{self, LocalCheck, LocalStore};
-use crate::limit::redis::{Decision, GlobalLimit, LimitVerdict, RedisError, hash_tag};
+use crate::limit::redis::{Decision, GlobalLimit, Grant, LimitVerdict, RedisError, hash_tag};
 
 pub(super) struct FakeStore<'c> {
     clock: &'c ManualClock,
@@ -28,6 +28,7 @@ pub(super) struct FakeStore<'c> {
     pub(super) decides: AtomicUsize,
     pub(super) syncs: AtomicUsize,
     pub(super) resets: AtomicUsize,
+    pub(super) reserves: AtomicUsize,
 }
 
 impl<'c> FakeStore<'c> {
@@ -41,6 +42,7 @@ impl<'c> FakeStore<'c> {
             decides: AtomicUsize::new(0),
             syncs: AtomicUsize::new(0),
             resets: AtomicUsize::new(0),
+            reserves: AtomicUsize::new(0),
         }
     }
 
@@ -156,6 +158,38 @@ impl GlobalStore for FakeStore<'_> {
             *tat = ((*tat).max(now) + units * interval).min(now + tau);
         }
         Ok((*tat, now))
+    }
+
+    /// reserve.lua's grant (`Gcra::grant`) on the key's store: as many units as fit now, at
+    /// least the cost, at most `want`.
+    async fn reserve(&self, limit: &GlobalLimit<'_>, want: u64) -> Result<Grant, RedisError> {
+        self.reserves.fetch_add(1, Ordering::SeqCst);
+        self.failure()?;
+        let now = self.clock.now();
+        let store = self.store(limit.key);
+        let fits = store
+            .peek(limit.algorithm, limit.key.as_bytes(), now)
+            .remaining;
+        let units = if fits >= limit.cost {
+            want.min(fits).max(limit.cost)
+        } else {
+            limit.cost
+        };
+        let check = LocalCheck {
+            store: &store,
+            algorithm: limit.algorithm,
+            key: limit.key.as_bytes(),
+            cost: units,
+            max_delay: 0,
+            shadow: false,
+        };
+        let (_, verdicts) = local::decide(&[check], now);
+        let verdict = match verdicts.into_iter().next() {
+            Some(Ok((snapshot, _))) => Ok((units, snapshot)),
+            Some(Err(r)) => Err(r),
+            None => return Err(RedisError::Protocol("no verdict".to_string())),
+        };
+        Ok(Grant { verdict, at: now })
     }
 
     /// Forgets everything held under the keys' hash tag: the fake keeps a strict limit's

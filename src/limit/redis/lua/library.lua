@@ -27,6 +27,7 @@
 --   release    release.lua
 --   renew      renew.lua
 --   settle     settle.lua
+--   reserve    reserve.lua
 
 local KEYS, ARGV
 
@@ -90,6 +91,11 @@ local function settle(keys, args)
 --@ settle.lua
 end
 
+local function reserve(keys, args)
+  KEYS, ARGV = keys, args
+--@ reserve.lua
+end
+
 redis.register_function(LIB .. '_decide', decide)
 redis.register_function(LIB .. '_decide_many', decide_many)
 redis.register_function(LIB .. '_refund', refund)
@@ -99,3 +105,4 @@ redis.register_function(LIB .. '_sync_gcra', sync_gcra)
 redis.register_function(LIB .. '_release', release)
 redis.register_function(LIB .. '_renew', renew)
 redis.register_function(LIB .. '_settle', settle)
+redis.register_function(LIB .. '_reserve', reserve)
