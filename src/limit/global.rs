@@ -219,6 +219,17 @@ impl LimitSet {
             Ok(probed) => probed,
             Err(known) => return known,
         };
+        if probed.to_store.is_empty() {
+            // Every global limit was answered in process (from reservations, or shadow ones by
+            // the tier): no call; the local and eventual limits, if any, are checked and
+            // charged at once.
+            if spans.iter().any(|s| !self.limits[s.0].is_global())
+                && !self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held)
+            {
+                self.count_local(started);
+            }
+            return self.conclude(&results, cx);
+        }
         let local = match self.check_in_process(keys, spans, cx, started, &mut results) {
             Ok(local) => local,
             Err(rejected) => return rejected,
@@ -363,7 +374,9 @@ impl LimitSet {
                     };
                     let sent = cx.clock.now();
                     let want = reserve.want(l.cost, sizing);
-                    return match store.reserve(&limit, want).await {
+                    // Boxed where it is made, as the batcher's calls are: a Redis call's
+                    // future is large, and every request's decision would carry it.
+                    return match Box::pin(store.reserve(&limit, want)).await {
                         Ok(Grant {
                             verdict: Ok((units, snapshot)),
                             ..
@@ -516,7 +529,9 @@ impl LimitSet {
             // No book to hold leases in: as if Redis could not answer (`on_error` decides).
             return Err(RedisError::Unavailable);
         }
-        match store.decide(&limits, &shadow, &ids).await {
+        // Boxed where it is made: the call's future is most of this decision's size, and a
+        // request answered in process (reservations) would otherwise carry and copy it.
+        match Box::pin(store.decide(&limits, &shadow, &ids)).await {
             Err(e) if !shadow.contains(&false) => {
                 cx.metrics.redis_error(e.kind());
                 Ok(Decision {
