@@ -1,8 +1,9 @@
 //! The one clock local limits read, injected so tests control time.
 //!
 //! Production reads `tokio::time::Instant`, so `tokio::time::pause()` moves limiter time and
-//! delay sleeps together; unit tests use [`ManualClock`]. Global limits never read this clock:
-//! their time is the Redis server's.
+//! delay sleeps together; unit tests use [`ManualClock`]. Global limits decide on the Redis
+//! server's clock; this one only bounds how long units reserved there (`reserve_ahead`) may
+//! be spent here, a duration that needs no agreement with Redis.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
