@@ -168,8 +168,15 @@ impl Shared {
             && let Some(redis) = &rt.redis
         {
             let redis_key = limit.redis_key(key);
+            // A reserving rate is decided in Redis against its smaller burst: what is left is
+            // counted against that.
+            let decided = limit
+                .rate(rate)
+                .reserve
+                .as_ref()
+                .map_or(algorithm, |r| &r.algorithm);
             let g = GlobalLimit {
-                algorithm,
+                algorithm: decided,
                 key: &redis_key,
                 cost: limit.cost,
                 max_delay: limit.max_delay,

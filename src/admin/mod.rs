@@ -230,6 +230,9 @@ async fn limit_state(
         "shared": l.config.shared,
         "remaining": s.remaining,
         "reset_after_ms": s.reset_after.div_ceil(1000),
+        // `reserve_ahead`: the burst Redis decides this key against (`remaining` counts
+        // against it); absent otherwise.
+        "reserve_burst": applied.reserve.as_ref().map(|r| r.algorithm.quota().burst),
     }))
     .into_response()
 }

@@ -47,6 +47,12 @@ pub fn units_given_up(rate: Rate, ahead: Duration) -> u64 {
 pub(super) fn reserve_ahead(text: Option<&Text>, l: &Around) -> Checked<Option<Duration>> {
     let Some(t) = text else { return Ok(None) };
     let refuse = |why: String| Err(Invalid::new(at(t), why));
+    if l.algorithm == AlgorithmKind::Concurrency {
+        return refuse(
+            "reserve_ahead applies to gcra limits only (a concurrency limit's slots are leases held while their requests run)"
+                .to_string(),
+        );
+    }
     if l.algorithm != AlgorithmKind::Gcra {
         return refuse(format!(
             "reserve_ahead applies to gcra limits only ({} is decided in Redis on every request; its decisions are batched instead)",

@@ -304,6 +304,16 @@ fn write_limit(out: &mut String, l: &LimitConfig, used: Option<&str>, now: jiff:
     if l.algorithm == AlgorithmKind::Gcra {
         let _ = write!(algo, " burst {}", l.burst);
     }
+    if let Some(ahead) = l.reserve_ahead {
+        let given_up = super::reserve::units_given_up(l.rate, ahead);
+        let _ = write!(
+            algo,
+            " (reserve_ahead {}: decided against burst {}, units spent in process up to {} after Redis granted them)",
+            DurationText(ahead),
+            l.burst.saturating_sub(given_up),
+            DurationText(ahead)
+        );
+    }
     let on_limit = match l.on_limit {
         OnLimit::Reject => "reject".to_owned(),
         OnLimit::Delay if l.max_delay.is_zero() => "delay (max_delay 0s: never waits)".to_owned(),

@@ -212,27 +212,60 @@ impl LimitSet {
         spent: &mut Spent,
     ) -> Verdict {
         let mut results = Results::new();
-        let probed = match self
-            .probe_tier(keys, spans, cx, started, &mut results, spent)
-            .await
-        {
-            Ok(probed) => probed,
-            Err(known) => return known,
-        };
-        if probed.to_store.is_empty() {
-            // Every global limit was answered in process (from reservations, or shadow ones by
-            // the tier): no call; the local and eventual limits, if any, are checked and
-            // charged at once.
-            if spans.iter().any(|s| !self.limits[s.0].is_global())
-                && !self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held)
-            {
-                self.count_local(started);
+        let (probed, local) = if let Some(sp @ (i, s, e, r)) = self.reserving(spans) {
+            // Checked first, so that a request refused in process takes nothing reserved: units
+            // given back to a reservation are still spent in Redis's eyes once it ends.
+            let local = match self.check_in_process(keys, spans, cx, started, &mut results) {
+                Ok(local) => local,
+                Err(rejected) => return rejected,
+            };
+            let l = &self.limits[i];
+            let Some(reserve) = &l.rate(r).reserve else {
+                unreachable!("reserving() picks a reserving rate")
+            };
+            match self.reserved(l, reserve, &keys[s..e], r, cx).await {
+                Reserved::Spent(snapshot, until) => {
+                    self.tiers.reserved.inc();
+                    spent.push((i, s, e, r, until));
+                    results.push((i, Ok((snapshot, 0))));
+                    return self.answer_in_process(keys, spans, cx, started, results, held);
+                }
+                Reserved::Refused(rejection) if !l.shadow => {
+                    return self.conclude(&[(i, Err(rejection))], cx);
+                }
+                Reserved::Refused(rejection) => {
+                    results.push((i, Err(rejection)));
+                    return self.answer_in_process(keys, spans, cx, started, results, held);
+                }
+                // Decided per request, against the same smaller burst.
+                Reserved::Ask => {
+                    let mut to_store = SmallVec::new();
+                    to_store.push(sp);
+                    let probed = Probed {
+                        to_store,
+                        _leads: SmallVec::new(),
+                        sent: cx.now,
+                    };
+                    (probed, local)
+                }
             }
-            return self.conclude(&results, cx);
-        }
-        let local = match self.check_in_process(keys, spans, cx, started, &mut results) {
-            Ok(local) => local,
-            Err(rejected) => return rejected,
+        } else {
+            let probed = match self
+                .probe_tier(keys, spans, cx, started, &mut results)
+                .await
+            {
+                Ok(probed) => probed,
+                Err(known) => return known,
+            };
+            if probed.to_store.is_empty() {
+                // Every global limit was a shadow one the tier answered: no call.
+                return self.answer_in_process(keys, spans, cx, started, results, held);
+            }
+            let local = match self.check_in_process(keys, spans, cx, started, &mut results) {
+                Ok(local) => local,
+                Err(rejected) => return rejected,
+            };
+            (probed, local)
         };
         let leases = self.pending_leases(keys, &probed.to_store, cx);
         let answer = self.ask_global(keys, &probed.to_store, &leases, cx).await;
@@ -283,7 +316,6 @@ impl LimitSet {
         cx: &Context<'_, G>,
         started: std::time::Instant,
         results: &mut Results,
-        spent: &mut Spent,
     ) -> Result<Probed<'s>, Verdict> {
         let mut probed = Probed {
             to_store: SmallVec::new(),
@@ -296,22 +328,6 @@ impl LimitSet {
                 // A slot frees when a request ends, not at a time the tier could remember:
                 // Redis decides every one.
                 probed.to_store.push((i, s, e, r));
-                continue;
-            }
-            if let Some(reserve) = &l.rate(r).reserve {
-                match self.reserved(l, reserve, &keys[s..e], r, cx).await {
-                    Reserved::Spent(snapshot, until) => {
-                        self.tiers.reserved.inc();
-                        spent.push((i, s, e, r, until));
-                        results.push((i, Ok((snapshot, 0))));
-                    }
-                    Reserved::Refused(rejection) if !l.shadow => {
-                        return Err(self.conclude(&[(i, Err(rejection))], cx));
-                    }
-                    Reserved::Refused(rejection) => results.push((i, Err(rejection))),
-                    // Decided per request with the others, against the same smaller burst.
-                    Reserved::Ask => probed.to_store.push((i, s, e, r)),
-                }
                 continue;
             }
             match self
@@ -331,6 +347,37 @@ impl LimitSet {
             }
         }
         Ok(probed)
+    }
+
+    /// The request's one strict global limit, when it reserves (`reserve_ahead`). A request
+    /// with another strict global limit beside it is decided per request, all its global limits
+    /// in one call: a refusal by one then takes nothing from the other, where units taken from a
+    /// reservation and given back would still be spent in Redis's eyes once it ends.
+    fn reserving(&self, spans: &[Span]) -> Option<Span> {
+        let mut global = spans.iter().filter(|s| self.limits[s.0].is_global());
+        match (global.next(), global.next()) {
+            (Some(&sp), None) if self.limits[sp.0].rate(sp.3).reserve.is_some() => Some(sp),
+            _ => None,
+        }
+    }
+
+    /// The end of a request whose global limits were all answered in process (`results`): no
+    /// call; its local and eventual limits, if any, are checked again and charged.
+    fn answer_in_process<G>(
+        &self,
+        keys: &[u8],
+        spans: &[Span],
+        cx: &Context<'_, G>,
+        started: std::time::Instant,
+        mut results: Results,
+        held: &mut Held,
+    ) -> Verdict {
+        if spans.iter().any(|s| !self.limits[s.0].is_global())
+            && !self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held)
+        {
+            self.count_local(started);
+        }
+        self.conclude(&results, cx)
     }
 
     /// A reserving limit's key (`reserve_ahead`): the request's units from this instance's
