@@ -301,7 +301,6 @@ impl LimitSet {
             if let Some(reserve) = &l.rate(r).reserve {
                 match self.reserved(l, reserve, &keys[s..e], r, cx).await {
                     Reserved::Spent(snapshot, until) => {
-                        self.tiers.reserved.inc();
                         spent.push((i, s, e, r, until));
                         results.push((i, Ok((snapshot, 0))));
                     }
@@ -350,7 +349,11 @@ impl LimitSet {
         let mut now = cx.now;
         loop {
             match l.deny_cache.take(key, now, rate, l.cost) {
-                Take::Spent(snapshot, until) => return Reserved::Spent(snapshot, until),
+                Take::Spent(snapshot, until) => {
+                    // Only here: the request that made the reservation counts as `redis`.
+                    self.tiers.reserved.inc();
+                    return Reserved::Spent(snapshot, until);
+                }
                 Take::Refused(rejection) => {
                     self.tiers.in_process.inc();
                     return Reserved::Refused(rejection);
