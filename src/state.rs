@@ -156,7 +156,8 @@ impl Shared {
     /// holds it: Redis for global limits (the local fallback store when Redis cannot answer),
     /// the local store otherwise; and that store's name.
     pub async fn peek(&self, limit: &Limit, rate: u16, key: &[u8]) -> (Snapshot, &'static str) {
-        let algorithm = &limit.rate(rate).algorithm;
+        let rated = limit.rate(rate);
+        let algorithm = &rated.algorithm;
         let now = self.gateway.clock.now();
         let rt = self.gateway.snapshot.load_full();
         // An eventual limit is decided here, on counts synced with Redis: its state is this
@@ -168,8 +169,13 @@ impl Shared {
             && let Some(redis) = &rt.redis
         {
             let redis_key = limit.redis_key(key);
+            // A reserving rate's key is decided against its smaller burst (`reserve_ahead`):
+            // what it can still grant is measured against that one too.
             let g = GlobalLimit {
-                algorithm,
+                algorithm: rated
+                    .reserve
+                    .as_ref()
+                    .map_or(algorithm, |reserve| &reserve.algorithm),
                 key: &redis_key,
                 cost: limit.cost,
                 max_delay: limit.max_delay,
