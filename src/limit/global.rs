@@ -150,6 +150,9 @@ struct Probed<'s> {
     /// The local time the store is asked at, no later than the moment it decides: what the
     /// tier learns is anchored here.
     sent: Micros,
+    /// A reservation met Redis unable to answer (see [`Reserved::Outage`]): the store is not
+    /// asked again for this request, `on_error` decides it.
+    outage: Option<RedisError>,
 }
 
 /// Units a request took from its limits' reservations: limit, key span, rate, and the
@@ -163,9 +166,13 @@ enum Reserved {
     Spent(Snapshot, Micros),
     /// Redis refused the key's reservation.
     Refused(Rejection),
-    /// No reservation could be made (Redis failed, or the wait for another request's ran
-    /// out): decide it per request.
+    /// No reservation could be made (Redis answered with an error, or the wait for another
+    /// request's ran out): decide it per request.
     Ask,
+    /// Redis did not answer the reservation (a timeout, a lost connection, the breaker
+    /// open): asking it again per request would make the request wait out a second
+    /// `redis.timeout`, so `on_error` decides at once.
+    Outage(RedisError),
 }
 
 /// The in-process tier's answer for one key.
@@ -234,6 +241,10 @@ impl LimitSet {
             Ok(local) => local,
             Err(rejected) => return rejected,
         };
+        if let Some(e) = probed.outage {
+            // No lease was asked for, no call made: `on_error` decides as for a failed call.
+            return self.store_unreachable(e, keys, spans, &probed.to_store, cx, results, held);
+        }
         let leases = self.pending_leases(keys, &probed.to_store, cx);
         let answer = self.ask_global(keys, &probed.to_store, &leases, cx).await;
         self.tiers.global_duration.observe(started.elapsed());
@@ -289,6 +300,7 @@ impl LimitSet {
             to_store: SmallVec::new(),
             _leads: SmallVec::new(),
             sent: cx.now,
+            outage: None,
         };
         for &(i, s, e, r) in spans.iter().filter(|s| self.limits[s.0].is_global()) {
             let l = &self.limits[i];
@@ -310,6 +322,10 @@ impl LimitSet {
                     Reserved::Refused(rejection) => results.push((i, Err(rejection))),
                     // Decided per request with the others, against the same smaller burst.
                     Reserved::Ask => probed.to_store.push((i, s, e, r)),
+                    Reserved::Outage(error) => {
+                        probed.to_store.push((i, s, e, r));
+                        probed.outage.get_or_insert(error);
+                    }
                 }
                 continue;
             }
@@ -335,7 +351,8 @@ impl LimitSet {
     /// A reserving limit's key (`reserve_ahead`): the request's units from this instance's
     /// reservation, or from a new one this request makes in Redis (one request per key at a
     /// time; the others wait for it, within `probe_wait`). `Ask` when none could be made: the
-    /// request is then decided in Redis with its other global limits.
+    /// request is then decided in Redis with its other global limits; `Outage` when Redis did
+    /// not answer the reservation: `on_error` decides it.
     async fn reserved<G: GlobalStore>(
         &self,
         l: &Limit,
@@ -410,8 +427,11 @@ impl LimitSet {
                             l.deny_cache.rejected(key, sent, &rejection, 0, rate);
                             Reserved::Refused(rejection)
                         }
-                        // Counted by the per-request call that follows, which meets the
-                        // same Redis.
+                        // Counted where `on_error` decides, or by the per-request call that
+                        // follows, which meets the same Redis.
+                        Err(e) if e.is_outage() || e == RedisError::Unavailable => {
+                            Reserved::Outage(e)
+                        }
                         Err(_) => Reserved::Ask,
                     };
                 }
@@ -650,6 +670,28 @@ impl LimitSet {
             };
             results.push((i, v));
         }
+    }
+
+    /// The store not asked because a reservation just met Redis unable to answer: decided as
+    /// a failed [`LimitSet::ask_global`] call would be. With only shadow limits left to ask,
+    /// the failure is counted and the request goes on without them; else `on_error` decides.
+    #[allow(clippy::too_many_arguments)]
+    fn store_unreachable<G>(
+        &self,
+        e: RedisError,
+        keys: &[u8],
+        spans: &[Span],
+        to_store: &[Span],
+        cx: &Context<'_, G>,
+        mut results: Results,
+        held: &mut Held,
+    ) -> Verdict {
+        if to_store.iter().all(|s| self.limits[s.0].shadow) {
+            cx.metrics.redis_error(e.kind());
+            self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held);
+            return self.conclude(&results, cx);
+        }
+        self.on_store_error(e, keys, spans, to_store, cx, results, held)
     }
 
     /// `redis.on_error`, when the store could not answer: `deny` answers 503 naming an enforced
