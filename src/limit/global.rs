@@ -163,9 +163,13 @@ enum Reserved {
     Spent(Snapshot, Micros),
     /// Redis refused the key's reservation.
     Refused(Rejection),
-    /// No reservation could be made (Redis failed, or the wait for another request's ran
-    /// out): decide it per request.
+    /// No reservation could be made (Redis answered with an error, or the wait for another
+    /// request's ran out): decide it per request.
     Ask,
+    /// Redis did not answer the reservation (a timeout, a lost connection, the breaker
+    /// open): asking it again per request would make the request wait out a second
+    /// `redis.timeout`, so `on_error` decides at once.
+    Outage(RedisError),
 }
 
 /// The in-process tier's answer for one key.
@@ -225,7 +229,6 @@ impl LimitSet {
             };
             match self.reserved(l, reserve, &keys[s..e], r, cx).await {
                 Reserved::Spent(snapshot, until) => {
-                    self.tiers.reserved.inc();
                     spent.push((i, s, e, r, until));
                     results.push((i, Ok((snapshot, 0))));
                     return self.answer_in_process(keys, spans, cx, started, results, held);
@@ -236,6 +239,15 @@ impl LimitSet {
                 Reserved::Refused(rejection) => {
                     results.push((i, Err(rejection)));
                     return self.answer_in_process(keys, spans, cx, started, results, held);
+                }
+                // No call made, so no lease asked for: `on_error` decides, as for a failed call
+                // (a shadow limit's failure is counted and the request goes on without it).
+                Reserved::Outage(e) if l.shadow => {
+                    cx.metrics.redis_error(e.kind());
+                    return self.answer_in_process(keys, spans, cx, started, results, held);
+                }
+                Reserved::Outage(e) => {
+                    return self.on_store_error(e, keys, spans, &[sp], cx, results, held);
                 }
                 // Decided per request, against the same smaller burst.
                 Reserved::Ask => {
@@ -397,7 +409,11 @@ impl LimitSet {
         let mut now = cx.now;
         loop {
             match l.deny_cache.take(key, now, rate, l.cost) {
-                Take::Spent(snapshot, until) => return Reserved::Spent(snapshot, until),
+                Take::Spent(snapshot, until) => {
+                    // Only here: the request that made the reservation counts as `redis`.
+                    self.tiers.reserved.inc();
+                    return Reserved::Spent(snapshot, until);
+                }
                 Take::Refused(rejection) => {
                     self.tiers.in_process.inc();
                     return Reserved::Refused(rejection);
@@ -454,8 +470,11 @@ impl LimitSet {
                             l.deny_cache.rejected(key, sent, &rejection, 0, rate);
                             Reserved::Refused(rejection)
                         }
-                        // Counted by the per-request call that follows, which meets the
-                        // same Redis.
+                        // Counted where `on_error` decides, or by the per-request call that
+                        // follows, which meets the same Redis.
+                        Err(e) if e.is_outage() || e == RedisError::Unavailable => {
+                            Reserved::Outage(e)
+                        }
                         Err(_) => Reserved::Ask,
                     };
                 }

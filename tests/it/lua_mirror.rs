@@ -1,6 +1,7 @@
 //! decide.lua and peek.lua against the Rust cores: random timelines (clock overridden) fed to
 //! both must give identical decisions and identical states, step by step, for every
-//! algorithm, for reservations, and for requests with several limits (where a rejection
+//! algorithm, for reservations (`on_limit: delay`, and `reserve_ahead`'s reserve.lua against
+//! `Gcra::grant`), for refunds and settlements, and for requests with several limits (where a rejection
 //! must leave every key untouched). Every case runs on both ways the scripts reach Redis: the
 //! function library (`FCALL`) and `EVALSHA`, the path of servers without functions.
 
@@ -17,8 +18,8 @@ use proptest::test_runner::TestCaseError;
 use tokio::runtime::Runtime;
 use tollgate::limit::algorithm::calendar::Unit;
 use tollgate::limit::algorithm::{
-    Algorithm, Calendar, FixedWindow, Gcra, Micros, Quota, Settlement, SlidingLog, SlidingWindow,
-    State,
+    Algorithm, Calendar, FixedWindow, Gcra, GcraState, Micros, Quota, Settlement, SlidingLog,
+    SlidingWindow, State,
 };
 use tollgate::limit::redis::{
     GlobalLimit, LimitVerdict, RedisError, RedisSettings, RedisStore, RedisTarget, ScriptPath,
@@ -876,5 +877,196 @@ proptest! {
         })
     ) {
         mirror_settlements(&calendar_algorithm(&zone, unit, count), start, &steps, tail)?;
+    }
+}
+
+/// One step of a reservation timeline: the gap before it, its cost, what it asks for beyond
+/// (or, when `short`, short of) the cost, and whether it is a reservation (else a per-request
+/// decision of the same reduced gcra, as `reserve_ahead`'s fallback makes).
+type ReserveStep = (Micros, u64, u64, bool, bool);
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// reserve.lua against `Gcra::grant`, on both script paths: from a random stored TAT (before,
+    /// at or beyond now, up to past a full bucket), timelines of reservations of a random cost
+    /// and want (a want under the cost included, and costs above the burst: never granted)
+    /// mixed with per-request decisions. Every grant (units and snapshot) or rejection (the one
+    /// a decision of the cost gets), its instant, and the state after it (through peek) must
+    /// match, and a rejected reservation writes nothing.
+    #[test]
+    fn reserve_matches_gcra_grant(
+        (q, start, tat_offset, steps) in quota().prop_flat_map(|q| {
+            let g = Gcra::new(q);
+            let (t, tau) = (g.emission_interval(), g.tau());
+            let slot = t.max(1);
+            let gap = prop_oneof![4 => 0..=slot, 2 => 0..=slot * (q.burst + 1), 1 => 0..=2 * tau + slot];
+            let cost = prop_oneof![4 => Just(1u64), 2 => 1..=q.burst, 1 => 1..=q.burst + 1];
+            let want = 0..=3 * q.burst + 1;
+            let short = prop::bool::weighted(0.15);
+            let reserve = prop::bool::weighted(0.8);
+            (
+                Just(q),
+                start(q),
+                0..=2 * tau + 2 * slot,
+                prop::collection::vec((gap, cost, want, short, reserve), 1..=80),
+            )
+        })
+    ) {
+        mirror_reservations(q, start, tat_offset, &steps)?;
+    }
+}
+
+fn mirror_reservations(
+    q: Quota,
+    start: Micros,
+    tat_offset: Micros,
+    steps: &[ReserveStep],
+) -> Result<(), TestCaseError> {
+    let sh = shared();
+    let g = Gcra::new(q);
+    let alg = Algorithm::Gcra(g.clone());
+    for (path, store) in sh.stores() {
+        let key = fresh_key("reserve");
+        let tat_key = redis_keys(&key, &alg).swap_remove(0);
+        sh.rt.block_on(async {
+            // A random state: the TAT `tat_offset - tau` from the start (clamped at 0).
+            let mut state = GcraState {
+                tat: (start + tat_offset).saturating_sub(g.tau()),
+            };
+            if state.tat > 0 {
+                let _: () = sh
+                    .raw
+                    .set(tat_key.as_str(), state.tat, None, None, false)
+                    .await
+                    .expect("SET");
+            }
+            let mut now = start;
+            for (i, &(gap, cost, extra, short, reserve)) in steps.iter().enumerate() {
+                now += gap;
+                let limit = GlobalLimit {
+                    algorithm: &alg,
+                    key: &key,
+                    cost,
+                    max_delay: 0,
+                };
+                if !reserve {
+                    let cost = cost.min(g.max_cost());
+                    let limit = GlobalLimit { cost, ..limit };
+                    let expected = rust_verdict(&alg, &State::Gcra(state), now, cost, 0);
+                    if expected.is_admitted() {
+                        g.commit(&mut state, now, cost);
+                    }
+                    let got = store.decide(&[limit], Some(now)).await.expect("decide");
+                    prop_assert_eq!(
+                        &got.per_limit,
+                        &vec![expected],
+                        "{:?} step {} (decide) at {}",
+                        path,
+                        i,
+                        now
+                    );
+                    continue;
+                }
+                let want = if short { extra.min(cost) } else { cost + extra };
+                let before = dump_all(&sh.raw, std::slice::from_ref(&tat_key)).await;
+                let expected = g.grant(&mut state, now, cost, want);
+                let got = store
+                    .reserve(&limit, want, Some(now))
+                    .await
+                    .expect("reserve");
+                prop_assert_eq!(
+                    &got.verdict,
+                    &expected,
+                    "{:?} step {} at {}: cost {} want {}",
+                    path,
+                    i,
+                    now,
+                    cost,
+                    want
+                );
+                prop_assert_eq!(got.at, now);
+                if expected.is_err() {
+                    prop_assert_eq!(
+                        dump_all(&sh.raw, std::slice::from_ref(&tat_key)).await,
+                        before,
+                        "{:?}: a rejected reservation wrote (step {})",
+                        path,
+                        i
+                    );
+                }
+                let (peek, _) = store.peek_at(&limit, Some(now)).await.expect("peek");
+                prop_assert_eq!(
+                    peek,
+                    g.peek(&state, now),
+                    "{:?} peek after step {} at {}",
+                    path,
+                    i,
+                    now
+                );
+            }
+            let _: i64 = sh.raw.del(tat_key.as_str()).await.expect("DEL");
+            Ok(())
+        })?;
+        prop_assert_eq!(store.script_path(), path);
+    }
+    Ok(())
+}
+
+/// A reservation walk-through (10/s, burst 5): what a key near its limit grants, and that a
+/// refused reservation is the rejection a decision of its cost gets.
+#[test]
+fn a_reservation_grants_what_fits_and_is_refused_as_a_decision_of_its_cost() {
+    let sh = shared();
+    let g = Gcra::new(Quota {
+        count: 10,
+        period: 1_000_000,
+        burst: 5,
+    });
+    let alg = Algorithm::Gcra(g.clone());
+    for (path, store) in sh.stores() {
+        let key = fresh_key("reserve-walk");
+        let limit = |cost| GlobalLimit {
+            algorithm: &alg,
+            key: &key,
+            cost,
+            max_delay: 0,
+        };
+        sh.rt.block_on(async {
+            let now = EPOCH;
+            let grant = |cost, want, at| {
+                let limit = limit(cost);
+                async move {
+                    store
+                        .reserve(&limit, want, Some(at))
+                        .await
+                        .expect("reserve")
+                        .verdict
+                }
+            };
+            let units = |r: Result<(u64, tollgate::limit::algorithm::Snapshot), _>| {
+                r.map(|(n, s)| (n, s.remaining))
+            };
+            // 3 wanted of a full bucket of 5: 3, 2 left.
+            assert_eq!(units(grant(1, 3, now).await), Ok((3, 2)), "{path:?}");
+            // 4 wanted, 2 fit.
+            assert_eq!(units(grant(1, 4, now).await), Ok((2, 0)), "{path:?}");
+            // Nothing fits: a decision of the cost's rejection, 200 ms to wait.
+            let refused = grant(2, 4, now).await.unwrap_err();
+            let decided = store.decide(&[limit(2)], Some(now)).await.expect("decide");
+            assert_eq!(
+                decided.per_limit,
+                vec![LimitVerdict::Rejected(refused)],
+                "{path:?}"
+            );
+            assert_eq!(refused.retry_after, 200_000, "{path:?}");
+            // 200 ms later exactly the cost of 2 fits, whatever the want.
+            assert_eq!(
+                units(grant(2, 9, now + 200_000).await),
+                Ok((2, 0)),
+                "{path:?}"
+            );
+        });
+        assert_eq!(store.script_path(), path);
     }
 }

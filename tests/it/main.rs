@@ -27,6 +27,7 @@ mod redis_cluster;
 mod redis_store;
 mod redis_tls;
 mod reload;
+mod reserve;
 mod sentinel;
 mod settle;
 mod signals;
