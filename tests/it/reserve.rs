@@ -305,22 +305,23 @@ async fn an_exhausted_key_is_refused_with_retry_after_and_admitted_after_it() {
 }
 
 /// A route with a reserving global limit (`shared`: 100/1h, burst 10, reserve_ahead 30s: one
-/// unit given up, 9 left, reservations of one unit) and a local one per user (1/1h, burst 1).
-/// Twenty requests of user `a` that `per-user` refuses take nothing from `shared`: the local
-/// limit is checked before the reservation is touched. After them Redis has given out only
-/// `a`'s admitted unit, so exactly 8 other users are admitted, and the next one is refused by
-/// `shared`.
-#[tokio::test]
-async fn requests_another_limit_refuses_take_nothing_reserved() {
+/// unit given up, 9 left, reservations of one unit) and a second one per user (1/1h, burst 1)
+/// of `per_user_scope`. Twenty requests of user `a` that `per-user` refuses take nothing from
+/// `shared`. After them Redis has given out only `a`'s admitted unit, so exactly 8 other users
+/// are admitted, and the next one is refused by `shared`. Returns the gateway's metrics.
+async fn a_refused_flood_takes_nothing_reserved(route_name: &str, per_user_scope: &str) -> String {
     let redis = shared_redis();
     let up = Upstream::start().await;
-    let limits = reserving("shared", "literal:all", "100/1h", 10, "30s")
-        + "      - name: per-user\n        key: [header:x-user]\n        rate: 1/1h\n        burst: 1\n        scope: local\n";
+    let key = format!("literal:{route_name}");
+    let limits = reserving("shared", &key, "100/1h", 10, "30s")
+        + &format!(
+            "      - name: per-user\n        key: [header:x-user]\n        rate: 1/1h\n        burst: 1\n        scope: {per_user_scope}\n"
+        );
     let g = Gateway::start(&config(
         &redis.url(),
         "deny",
         "2s",
-        &route("aon", "/", &up.url(), &limits),
+        &route(route_name, "/", &up.url(), &limits),
     ))
     .await;
     let c = client();
@@ -333,7 +334,11 @@ async fn requests_another_limit_refuses_take_nothing_reserved() {
         assert_eq!(body["limit"], "per-user", "request {i} of user a");
     }
     // Redis's view: 9 units, 1 given out.
-    let state = g.admin_json("/admin/limits/aon/shared?key=all").await;
+    let state = g
+        .admin_json(&format!(
+            "/admin/limits/{route_name}/shared?key={route_name}"
+        ))
+        .await;
     assert_eq!(state["store"], "redis", "{state}");
     assert_eq!(state["remaining"], 8, "{state}");
     assert_eq!(state["reserve_burst"], 9, "{state}");
@@ -346,45 +351,21 @@ async fn requests_another_limit_refuses_take_nothing_reserved() {
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["limit"], "shared", "{body}");
     assert_eq!(up.hits(), 1 + 8);
+    g.metrics().await
 }
 
-/// The same route with a second strict global limit per user in place of the local one: a
-/// request with two strict global limits is decided per request, both in one call, so the
-/// twenty that `per-user` refuses take nothing from `shared` either (no reservation is made
-/// whose units would be dropped), and they never count as answered from a reservation.
+/// A local limit beside the reserving one is checked before the reservation is touched.
+#[tokio::test]
+async fn requests_another_limit_refuses_take_nothing_reserved() {
+    a_refused_flood_takes_nothing_reserved("aon", "local").await;
+}
+
+/// With a second strict global limit beside the reserving one, a request is decided per
+/// request, both in one call: the refused ones take nothing (no reservation is made whose
+/// units would be dropped), and no decision is answered from a reservation.
 #[tokio::test]
 async fn requests_with_a_second_global_limit_are_decided_per_request_taking_nothing() {
-    let redis = shared_redis();
-    let up = Upstream::start().await;
-    let limits = reserving("shared", "literal:all2", "100/1h", 10, "30s")
-        + "      - name: per-user\n        key: [header:x-user]\n        rate: 1/1h\n        burst: 1\n";
-    let g = Gateway::start(&config(
-        &redis.url(),
-        "deny",
-        "2s",
-        &route("two", "/", &up.url(), &limits),
-    ))
-    .await;
-    let c = client();
-    let get = |user: String| c.get(g.url("/")).header("x-user", user).send();
-    assert_eq!(get("a".into()).await.unwrap().status(), 200);
-    for i in 0..20 {
-        let r = get("a".into()).await.unwrap();
-        assert_eq!(r.status(), 429, "request {i} of user a");
-        let body: serde_json::Value = r.json().await.unwrap();
-        assert_eq!(body["limit"], "per-user", "request {i} of user a");
-    }
-    let state = g.admin_json("/admin/limits/two/shared?key=all2").await;
-    assert_eq!(state["remaining"], 8, "{state}");
-    for u in 0..8 {
-        let r = get(format!("u{u}")).await.unwrap();
-        assert_eq!(r.status(), 200, "user u{u}, after {u} others");
-    }
-    let r = get("u8".into()).await.unwrap();
-    assert_eq!(r.status(), 429);
-    let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["limit"], "shared", "{body}");
-    let metrics = g.metrics().await;
+    let metrics = a_refused_flood_takes_nothing_reserved("two", "global").await;
     assert!(
         metrics.contains(
             "tollgate_limiter_tier_decisions_total{scope=\"global\",tier=\"reserved\"} 0"
