@@ -112,32 +112,17 @@ mod tests {
             .expect("fits");
         assert_eq!(r.max_units, 100);
         assert_eq!(r.want(2, Sizing::default()), 2);
+        let last = |granted, spent, elapsed| Sizing {
+            granted,
+            spent,
+            elapsed,
+        };
         // 4 spent in 10 µs: as fast as can be, but twice the last at most.
-        let fast = Sizing {
-            granted: 4,
-            spent: 4,
-            elapsed: 10,
-        };
-        assert_eq!(r.want(2, fast), 8);
+        assert_eq!(r.want(2, last(4, 4, 10)), 8);
         // 40 spent in 100 ms: 20 per half life.
-        let steady = Sizing {
-            granted: 40,
-            spent: 40,
-            elapsed: 100_000,
-        };
-        assert_eq!(r.want(2, steady), 20);
+        assert_eq!(r.want(2, last(40, 40, 100_000)), 20);
         // Never above max_units, never below the cost.
-        let huge = Sizing {
-            granted: 1000,
-            spent: 1000,
-            elapsed: 1,
-        };
-        assert_eq!(r.want(2, huge), 100);
-        let idle = Sizing {
-            granted: 40,
-            spent: 1,
-            elapsed: 10 * SECOND,
-        };
-        assert_eq!(r.want(2, idle), 2);
+        assert_eq!(r.want(2, last(1000, 1000, 1)), 100);
+        assert_eq!(r.want(2, last(40, 1, 10 * SECOND)), 2);
     }
 }
