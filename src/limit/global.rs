@@ -299,7 +299,10 @@ impl LimitSet {
                 continue;
             }
             if let Some(reserve) = &l.rate(r).reserve {
-                match self.reserved(l, reserve, &keys[s..e], r, cx).await {
+                match self
+                    .reserved(l, reserve, &keys[s..e], r, cx, &mut probed.sent)
+                    .await
+                {
                     Reserved::Spent(snapshot, until) => {
                         self.tiers.reserved.inc();
                         spent.push((i, s, e, r, until));
@@ -337,6 +340,11 @@ impl LimitSet {
     /// reservation, or from a new one this request makes in Redis (one request per key at a
     /// time; the others wait for it, within `probe_wait`). `Ask` when none could be made: the
     /// request is then decided in Redis with its other global limits.
+    ///
+    /// `now` is the local time so far, moved on here by a wait or a call: the request's next
+    /// limits are taken at the time it then is. A reservation's units are spent only before
+    /// its `until`, and a request whose first limit made a call would otherwise take its next
+    /// limit's units at the time it started, which may be a round trip before.
     async fn reserved<G: GlobalStore>(
         &self,
         l: &Limit,
@@ -344,21 +352,21 @@ impl LimitSet {
         key: &[u8],
         r: u16,
         cx: &Context<'_, G>,
+        now: &mut Micros,
     ) -> Reserved {
         let rate = l.rate(r).id;
         let deadline = cx.now + micros(cx.probe_wait);
-        let mut now = cx.now;
         loop {
-            match l.deny_cache.take(key, now, rate, l.cost) {
+            match l.deny_cache.take(key, *now, rate, l.cost) {
                 Take::Spent(snapshot, until) => return Reserved::Spent(snapshot, until),
                 Take::Refused(rejection) => {
                     self.tiers.in_process.inc();
                     return Reserved::Refused(rejection);
                 }
-                Take::Follow if now < deadline => {
-                    let left = Duration::from_micros(deadline - now);
-                    l.deny_cache.wait_probe(key, now, left).await;
-                    now = cx.clock.now();
+                Take::Follow if *now < deadline => {
+                    let left = Duration::from_micros(deadline - *now);
+                    l.deny_cache.wait_probe(key, *now, left).await;
+                    *now = cx.clock.now();
                 }
                 Take::Follow => return Reserved::Ask,
                 Take::Lead(_lead, sizing) => {
@@ -376,7 +384,9 @@ impl LimitSet {
                     let want = reserve.want(l.cost, sizing);
                     // Boxed where it is made, as the batcher's calls are: a Redis call's
                     // future is large, and every request's decision would carry it.
-                    return match Box::pin(store.reserve(&limit, want)).await {
+                    let answer = Box::pin(store.reserve(&limit, want)).await;
+                    *now = cx.clock.now();
+                    return match answer {
                         Ok(Grant {
                             verdict: Ok((units, snapshot)),
                             ..
