@@ -357,7 +357,7 @@ impl LimitSet {
         let rate = l.rate(r).id;
         let deadline = cx.now + micros(cx.probe_wait);
         loop {
-            match l.deny_cache.take(key, *now, rate, l.cost) {
+            match l.deny_cache.take(key, *now, rate, l.cost, reserve.ahead) {
                 Take::Spent(snapshot, until) => return Reserved::Spent(snapshot, until),
                 Take::Refused(rejection) => {
                     self.tiers.in_process.inc();

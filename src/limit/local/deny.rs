@@ -35,8 +35,9 @@ struct Deny {
     /// never answered from this entry, only by Redis, which then replaces it.
     rate: u32,
     /// `reserve_ahead`: units reserved in Redis left to spend here, and the local time they
-    /// must be spent by (their call's send time plus `reserve_ahead`; also the reservation's
-    /// identity, for giving units back to it).
+    /// must be spent by (their call's send time plus `reserve_ahead`, or sooner when a reload
+    /// shortened it: see [`DenyCache::take`]; also the reservation's identity, for giving units
+    /// back to it).
     units: u64,
     until: Micros,
     /// The last reservation's size, send time and units spent from it: how the next is sized.
@@ -266,7 +267,13 @@ impl DenyCache {
     /// Redis last said when it refused; else this request reserves (`Lead`, one per key at a
     /// time; the units a reservation has left that are too few or too late are dropped then),
     /// or waits for the one that does.
-    pub fn take(&self, key: &[u8], now: Micros, rate: u32, cost: u64) -> Take<'_> {
+    ///
+    /// `ahead` is the rate's `reserve_ahead` now (µs): a reservation is spent no later than
+    /// that after its call either. A reload that shortens `reserve_ahead` keeps this tier (and
+    /// the rate's id) while every instance decides against the larger burst the shorter one
+    /// leaves; units reserved under the longer one, spent past the shorter, would go over the
+    /// bound (`limit/reserve.rs`).
+    pub fn take(&self, key: &[u8], now: Micros, rate: u32, cost: u64, ahead: Micros) -> Take<'_> {
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
         let found = shard.find(hash, key);
@@ -286,7 +293,10 @@ impl DenyCache {
             },
             |d, _| {
                 match current {
-                    Some(c) if c.units >= cost && now < c.until => {
+                    Some(c)
+                        if c.units >= cost
+                            && now < c.until.min(c.granted_at.saturating_add(ahead)) =>
+                    {
                         d.units -= cost;
                         d.spent += cost;
                         take = Take::Spent(

@@ -43,8 +43,8 @@ impl Reserving {
         )
     }
 
-    /// Units over the bound in the worst interval of `admitted` ((local time, units),
-    /// sorted), as a message; `None` within it.
+    /// The first interval of `admitted` ((local time, units), sorted) found over the bound, as
+    /// a message; `None` when every one is within it.
     fn overshoot(&self, admitted: &[(Micros, u64)]) -> Option<String> {
         let t = self.interval();
         for (i, &(from, _)) in admitted.iter().enumerate() {
@@ -465,4 +465,65 @@ fn a_limit_after_a_reservation_call_is_taken_at_the_time_the_call_ended() {
     );
     let wrong = fleet.overshoots(&route);
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// A reload that shortens `reserve_ahead` keeps the in-process tier (same rate, burst and key:
+/// `snapshot.rs` carries it), and with it the reservations made under the longer one. Their
+/// units are spent only within the new `reserve_ahead` of their call: the other instances
+/// decide against the larger burst the new one leaves, so units spent later than that would go
+/// over the bound.
+#[test]
+fn a_reload_that_shortens_reserve_ahead_spends_no_unit_past_the_new_one() {
+    let before = Reserving {
+        count: 1000,
+        burst: 200,
+        cost: 1,
+        ahead_ms: 100,
+    };
+    let after = Reserving {
+        ahead_ms: 10,
+        ..before
+    };
+    let clock = ManualClock::new(NOW);
+    let store = FakeStore::new(&clock);
+    let metrics = Metrics::new();
+    let old = limit_set(&metrics, &[&before.yaml("a")], NOW);
+    let mut reloaded = limit_set(&metrics, &[&after.yaml("a")], NOW);
+    reloaded.limits[0].deny_cache = Arc::clone(&old.limits[0].deny_cache);
+    let other = limit_set(&metrics, &[&after.yaml("a")], NOW);
+    let uri: http::Uri = "/?k=k".parse().unwrap();
+    let held = (http::Method::GET, http::HeaderMap::new());
+    let rt = current_thread();
+    let admitted = std::cell::RefCell::new(Vec::new());
+    let decide = |set: &LimitSet, n: usize| {
+        for _ in 0..n {
+            let mut cx = context(&clock, Some(&store), STRICT, &metrics);
+            cx.probe_wait = Duration::ZERO;
+            if matches!(
+                rt.block_on(set.evaluate(&parts(&uri, &held), &cx)),
+                Verdict::Admit { .. }
+            ) {
+                admitted.borrow_mut().push((clock.now(), 1));
+            }
+        }
+    };
+    // One request a millisecond for 64 ms: the key's reservations grow to 50 units, 49 of
+    // them left at the reload, to be spent until 163 ms under the old reserve_ahead.
+    for _ in 0..64 {
+        decide(&old, 1);
+        clock.advance(1_000);
+    }
+    assert_eq!(
+        store.reserves.load(Ordering::SeqCst),
+        7,
+        "1, 2, 4, .. 32 units, then 50 at 63 ms"
+    );
+    // The reload; 30 ms later the other instance takes what Redis has, and this one what its
+    // last reservation had left.
+    clock.advance(30_000);
+    decide(&other, 300);
+    decide(&reloaded, 60);
+    let mut admitted = admitted.into_inner();
+    admitted.sort_unstable();
+    assert_eq!(after.overshoot(&admitted), None);
 }
