@@ -96,6 +96,9 @@ struct Request {
     /// Whether it waits for another request's reservation (`probe_wait`) or goes to Redis
     /// at once.
     waits: bool,
+    /// The store calls made for it fail (a timeout; `on_error: deny`); a parked request's
+    /// call after the park fails as the last request decided meanwhile did.
+    fails: bool,
 }
 
 /// A request, and when `park` is set, its reservation call is in flight while the clock moves
@@ -122,13 +125,15 @@ fn request() -> impl Strategy<Value = Request> {
         proptest::option::of(0u8..4),
         proptest::option::weighted(0.2, 0u8..8),
         proptest::bool::weighted(0.8),
+        proptest::bool::weighted(0.05),
     )
-        .prop_map(|(dt, instance, local, global, waits)| Request {
+        .prop_map(|(dt, instance, local, global, waits, fails)| Request {
             dt,
             instance,
             local,
             global,
             waits,
+            fails,
         })
 }
 
@@ -243,10 +248,10 @@ impl<'c> Fleet<'c> {
         if !waits {
             cx.probe_wait = Duration::ZERO;
         }
-        matches!(
-            set.evaluate(&parts(&uri, &held), &cx).await,
-            Verdict::Admit { .. }
-        )
+        self.store.fail_with(r.fails.then_some(RedisError::Timeout));
+        let v = set.evaluate(&parts(&uri, &held), &cx).await;
+        self.store.fail_with(None);
+        matches!(v, Verdict::Admit { .. })
     }
 
     /// Records an admitted request: each reserving limit's units at `at(limit index)`.
@@ -386,6 +391,7 @@ proptest! {
                 local: None,
                 global: None,
                 waits: true,
+                fails: false,
             };
             fleet.run(&rt, &Step { request, park: None });
         }
@@ -409,6 +415,7 @@ fn a_limit_after_a_reservation_call_is_taken_at_the_time_the_call_ended() {
         local: None,
         global: None,
         waits: true,
+        fails: false,
     };
     // `a` reserves one unit per request (it gives up one unit, its most per reservation);
     // `b` reserves more as its key gets busier, for 100 ms.
