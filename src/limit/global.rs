@@ -408,7 +408,7 @@ impl LimitSet {
         let deadline = cx.now + micros(cx.probe_wait);
         let mut now = cx.now;
         loop {
-            match l.deny_cache.take(key, now, rate, l.cost) {
+            match l.deny_cache.take(key, now, rate, l.cost, reserve.ahead) {
                 Take::Spent(snapshot, until) => {
                     // Only here: the request that made the reservation counts as `redis`.
                     self.tiers.reserved.inc();

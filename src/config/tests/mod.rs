@@ -5,6 +5,7 @@ mod calendar;
 mod consumers;
 mod errors;
 mod limits;
+mod reserve;
 mod sentinel;
 mod tls;
 mod valid;

@@ -35,8 +35,9 @@ struct Deny {
     /// never answered from this entry, only by Redis, which then replaces it.
     rate: u32,
     /// `reserve_ahead`: units reserved in Redis left to spend here, and the local time they
-    /// must be spent by (their call's send time plus `reserve_ahead`; also the reservation's
-    /// identity, for giving units back to it).
+    /// must be spent by (their call's send time plus `reserve_ahead`, or sooner when a reload
+    /// shortened it: see [`DenyCache::take`]; also the reservation's identity, for giving units
+    /// back to it).
     units: u64,
     until: Micros,
     /// The last reservation's size, send time and units spent from it: how the next is sized.
@@ -266,7 +267,13 @@ impl DenyCache {
     /// Redis last said when it refused; else this request reserves (`Lead`, one per key at a
     /// time; the units a reservation has left that are too few or too late are dropped then),
     /// or waits for the one that does.
-    pub fn take(&self, key: &[u8], now: Micros, rate: u32, cost: u64) -> Take<'_> {
+    ///
+    /// `ahead` is the rate's `reserve_ahead` now (µs): a reservation is spent no later than
+    /// that after its call either. A reload that shortens `reserve_ahead` keeps this tier (and
+    /// the rate's id) while every instance decides against the larger burst the shorter one
+    /// leaves; units reserved under the longer one, spent past the shorter, would go over the
+    /// bound (`limit/reserve.rs`).
+    pub fn take(&self, key: &[u8], now: Micros, rate: u32, cost: u64, ahead: Micros) -> Take<'_> {
         let hash = self.map.hash(key);
         let mut shard = self.map.lock(hash);
         let found = shard.find(hash, key);
@@ -286,7 +293,10 @@ impl DenyCache {
             },
             |d, _| {
                 match current {
-                    Some(c) if c.units >= cost && now < c.until => {
+                    Some(c)
+                        if c.units >= cost
+                            && now < c.until.min(c.granted_at.saturating_add(ahead)) =>
+                    {
                         d.units -= cost;
                         d.spent += cost;
                         take = Take::Spent(
@@ -670,5 +680,200 @@ mod tests {
         drop(lead);
         assert!(c.check(b"k", 1_150, 0, 7).is_some());
         assert!(matches!(c.begin(b"k", 1_200, 7), Probe::Lead(_)));
+    }
+
+    /// `reserve_ahead`'s in-process side: one instance's reservation for a key.
+    mod reservations {
+        use super::*;
+        use crate::limit::reserve::Sizing;
+
+        const RATE: u32 = 7;
+        /// `reserve_ahead`: 100 µs.
+        const AHEAD: Micros = 100;
+        const REDIS_LEFT: Snapshot = Snapshot {
+            remaining: 5,
+            reset_after: 400,
+        };
+
+        /// Whether a request of cost 1 took a unit at `now`, and from which reservation.
+        fn spent(c: &DenyCache, now: Micros) -> Option<Micros> {
+            spent_under(c, now, RATE)
+        }
+
+        fn spent_under(c: &DenyCache, now: Micros, rate: u32) -> Option<Micros> {
+            match c.take(b"k", now, rate, 1, AHEAD) {
+                Take::Spent(_, until) => Some(until),
+                _ => None,
+            }
+        }
+
+        /// The sizing a `Lead` at `now` gets (its guard dropped at once), or `None` when the
+        /// take was not a `Lead`.
+        fn lead(c: &DenyCache, now: Micros) -> Option<Sizing> {
+            match c.take(b"k", now, RATE, 1, AHEAD) {
+                Take::Lead(_, sizing) => Some(sizing),
+                _ => None,
+            }
+        }
+
+        /// A reservation of `units` made at `sent` by a request of cost 1 (which took one).
+        fn reserve(c: &DenyCache, sent: Micros, units: u64) {
+            let Take::Lead(guard, _) = c.take(b"k", sent, RATE, 1, AHEAD) else {
+                panic!("not a lead at {sent}");
+            };
+            c.granted(b"k", sent, RATE, (units, 1), &REDIS_LEFT, sent + AHEAD);
+            drop(guard);
+        }
+
+        #[test]
+        fn units_are_spent_until_the_reservation_ends_and_no_later() {
+            let c = DenyCache::default();
+            reserve(&c, 1_000, 4);
+            // 3 left: their snapshot counts them with what Redis had left.
+            let Take::Spent(s, until) = c.take(b"k", 1_010, RATE, 1, AHEAD) else {
+                panic!("not spent");
+            };
+            assert_eq!((s.remaining, s.reset_after, until), (2 + 5, 390, 1_100));
+            assert_eq!(spent(&c, 1_099), Some(1_100));
+            // One left, but its time is up: the next request reserves, and the unit is gone.
+            assert!(lead(&c, 1_100).is_some());
+            assert_eq!(spent(&c, 1_101), None);
+        }
+
+        /// A reservation made before a reload that shortened `reserve_ahead` is spent only
+        /// for the new one after its call.
+        #[test]
+        fn units_are_spent_within_the_current_reserve_ahead_of_their_call() {
+            let c = DenyCache::default();
+            reserve(&c, 1_000, 4);
+            let shorter = |now| matches!(c.take(b"k", now, RATE, 1, 50), Take::Spent(..));
+            assert!(shorter(1_049));
+            assert!(!shorter(1_050));
+        }
+
+        #[test]
+        fn a_take_needs_the_whole_cost() {
+            let c = DenyCache::default();
+            reserve(&c, 1_000, 3);
+            assert!(matches!(
+                c.take(b"k", 1_010, RATE, 2, AHEAD),
+                Take::Spent(..)
+            ));
+            // One unit left, a cost of 2: reserve again (the unit is dropped).
+            assert!(matches!(
+                c.take(b"k", 1_020, RATE, 2, AHEAD),
+                Take::Lead(..)
+            ));
+        }
+
+        #[test]
+        fn units_go_back_only_to_their_reservation_and_only_in_its_time() {
+            let c = DenyCache::default();
+            reserve(&c, 1_000, 3);
+            let first = spent(&c, 1_010).unwrap();
+            // Under another rate, or to another reservation: nothing.
+            c.give_back(b"k", 1_020, RATE + 1, 1, first);
+            c.give_back(b"k", 1_020, RATE, 1, first + 1);
+            assert_eq!(spent(&c, 1_030), Some(first));
+            assert_eq!(spent(&c, 1_030), None, "only the one unit left");
+            // To its own, in time: back to spend.
+            c.give_back(b"k", 1_040, RATE, 1, first);
+            assert_eq!(spent(&c, 1_050), Some(first));
+            c.give_back(b"k", 1_060, RATE, 1, first);
+            // Past its time: not given back (the sizing still counts it spent).
+            c.give_back(b"k", 1_100, RATE, 1, first);
+            let sizing = lead(&c, 1_100).unwrap();
+            assert_eq!((sizing.granted, sizing.spent), (3, 2));
+        }
+
+        #[test]
+        fn units_of_a_replaced_reservation_are_not_given_back_to_the_new_one() {
+            let c = DenyCache::default();
+            reserve(&c, 1_000, 1);
+            let old = 1_000 + AHEAD;
+            // A request took the old reservation's unit; the next reserves 2 (1 left).
+            reserve(&c, 1_050, 2);
+            c.give_back(b"k", 1_060, RATE, 1, old);
+            assert_eq!(spent(&c, 1_070), Some(1_050 + AHEAD));
+            assert_eq!(
+                spent(&c, 1_070),
+                None,
+                "the old unit did not join the new ones"
+            );
+        }
+
+        #[test]
+        fn a_reservation_under_another_rate_is_never_used() {
+            let c = DenyCache::default();
+            reserve(&c, 1_000, 4);
+            assert_eq!(spent_under(&c, 1_010, RATE + 1), None);
+            // The key's rate changed: its reservation and its sizing are gone.
+            let Take::Lead(guard, sizing) = c.take(b"k", 1_020, RATE + 1, 1, AHEAD) else {
+                panic!("not a lead");
+            };
+            assert_eq!((sizing.granted, sizing.spent), (0, 0));
+            drop(guard);
+            assert_eq!(spent(&c, 1_030), None);
+        }
+
+        #[test]
+        fn one_request_reserves_at_a_time_and_the_others_follow() {
+            let c = DenyCache::default();
+            let Take::Lead(guard, first) = c.take(b"k", 1_000, RATE, 1, AHEAD) else {
+                panic!("not a lead");
+            };
+            assert_eq!(first.granted, 0, "a key's first reservation");
+            assert!(matches!(c.take(b"k", 1_000, RATE, 1, AHEAD), Take::Follow));
+            assert!(matches!(c.take(b"k", 1_050, RATE, 1, AHEAD), Take::Follow));
+            // Another key is not held up.
+            assert!(matches!(
+                c.take(b"j", 1_000, RATE, 1, AHEAD),
+                Take::Lead(..)
+            ));
+            c.granted(b"k", 1_000, RATE, (3, 1), &REDIS_LEFT, 1_000 + AHEAD);
+            drop(guard);
+            // The followers take from what it reserved.
+            assert_eq!(spent(&c, 1_060), Some(1_100));
+            assert_eq!(spent(&c, 1_060), Some(1_100));
+            // Spent: the next request reserves, sized by the last reservation.
+            let sizing = lead(&c, 1_070).unwrap();
+            assert_eq!((sizing.granted, sizing.spent, sizing.elapsed), (3, 3, 70));
+            // That lead ended without an answer (a Redis error): the key is free again.
+            assert!(lead(&c, 1_080).is_some());
+        }
+
+        #[test]
+        fn a_refused_reservation_refuses_until_its_retry_time() {
+            let c = DenyCache::default();
+            let Take::Lead(guard, _) = c.take(b"k", 1_000, RATE, 1, AHEAD) else {
+                panic!("not a lead");
+            };
+            let r = Rejection {
+                retry_after: 300,
+                remaining: 0,
+                reset_after: 500,
+            };
+            c.rejected(b"k", 1_000, &r, 0, RATE);
+            drop(guard);
+            let Take::Refused(local) = c.take(b"k", 1_100, RATE, 1, AHEAD) else {
+                panic!("not refused");
+            };
+            assert_eq!(
+                (local.retry_after, local.remaining, local.reset_after),
+                (200, 0, 400)
+            );
+            assert!(matches!(
+                c.take(b"k", 1_299, RATE, 1, AHEAD),
+                Take::Refused(_)
+            ));
+            // Under another rate Redis is asked.
+            assert!(matches!(
+                c.take(b"k", 1_100, RATE + 1, 1, AHEAD),
+                Take::Lead(..)
+            ));
+            let c = DenyCache::default();
+            c.rejected(b"k", 1_000, &r, 0, RATE);
+            assert!(lead(&c, 1_300).is_some(), "Redis admits again: reserve");
+        }
     }
 }

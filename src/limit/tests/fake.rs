@@ -25,6 +25,11 @@ pub(super) struct FakeStore<'c> {
     /// The next `decide` waits for this before deciding: a request overtaken by another
     /// during its round trip.
     parked: Mutex<Option<oneshot::Receiver<()>>>,
+    /// The next `reserve` waits for this before deciding: a reservation in flight while the
+    /// clock moves on (Redis deciding later than the call was sent).
+    parked_reserve: Mutex<Option<oneshot::Receiver<()>>>,
+    /// The key of the `reserve` call that took `parked_reserve`.
+    parked_key: Mutex<Option<String>>,
     pub(super) decides: AtomicUsize,
     pub(super) syncs: AtomicUsize,
     pub(super) resets: AtomicUsize,
@@ -39,6 +44,8 @@ impl<'c> FakeStore<'c> {
             counters: Mutex::default(),
             fail: Mutex::default(),
             parked: Mutex::default(),
+            parked_reserve: Mutex::default(),
+            parked_key: Mutex::default(),
             decides: AtomicUsize::new(0),
             syncs: AtomicUsize::new(0),
             resets: AtomicUsize::new(0),
@@ -53,6 +60,22 @@ impl<'c> FakeStore<'c> {
     /// The next `decide` answers only once `until` fires (or its sender is dropped).
     pub(super) fn park_next(&self, until: oneshot::Receiver<()>) {
         *self.parked.lock().unwrap() = Some(until);
+    }
+
+    /// The next `reserve` decides only once `until` fires (or its sender is dropped).
+    pub(super) fn park_next_reserve(&self, until: oneshot::Receiver<()>) {
+        *self.parked_reserve.lock().unwrap() = Some(until);
+        *self.parked_key.lock().unwrap() = None;
+    }
+
+    /// The key of the `reserve` call parked since [`Self::park_next_reserve`], if one took it.
+    pub(super) fn parked_reserve_key(&self) -> Option<String> {
+        self.parked_key.lock().unwrap().clone()
+    }
+
+    /// Takes back a park no `reserve` call took: the calls after it are not parked.
+    pub(super) fn unpark_reserve(&self) {
+        self.parked_reserve.lock().unwrap().take();
     }
 
     /// Units left at `key` now.
@@ -164,6 +187,11 @@ impl GlobalStore for FakeStore<'_> {
     /// least the cost, at most `want`.
     async fn reserve(&self, limit: &GlobalLimit<'_>, want: u64) -> Result<Grant, RedisError> {
         self.reserves.fetch_add(1, Ordering::SeqCst);
+        let parked = self.parked_reserve.lock().unwrap().take();
+        if let Some(until) = parked {
+            *self.parked_key.lock().unwrap() = Some(limit.key.to_owned());
+            let _ = until.await;
+        }
         self.failure()?;
         let now = self.clock.now();
         let store = self.store(limit.key);

@@ -5,6 +5,7 @@
 //! Cluster behaviour is `tests/global.rs`, `tests/eventual.rs` and `tests/redis_cluster.rs`.
 
 mod fake;
+mod reserve;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
