@@ -219,9 +219,14 @@ impl LimitSet {
         let (probed, local) = if let Some(sp @ (i, s, e, r)) = self.reserving(spans) {
             // Checked first, so that a request refused in process takes nothing reserved: units
             // given back to a reservation are still spent in Redis's eyes once it ends.
-            let local = match self.check_in_process(keys, spans, cx, started, &mut results) {
-                Ok(local) => local,
-                Err(rejected) => return rejected,
+            // (Nothing to check on a route whose one limit is the reserving one.)
+            let local = if spans.len() > 1 {
+                match self.check_in_process(keys, spans, cx, started, &mut results) {
+                    Ok(local) => local,
+                    Err(rejected) => return rejected,
+                }
+            } else {
+                SmallVec::new()
             };
             let l = &self.limits[i];
             let Some(reserve) = &l.rate(r).reserve else {
@@ -384,7 +389,8 @@ impl LimitSet {
         mut results: Results,
         held: &mut Held,
     ) -> Verdict {
-        if spans.iter().any(|s| !self.limits[s.0].is_global())
+        if spans.len() > 1
+            && spans.iter().any(|s| !self.limits[s.0].is_global())
             && !self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held)
         {
             self.count_local(started);
