@@ -617,7 +617,9 @@ impl LimitSet {
     }
 
     /// The settlements of the global limits that settle and were charged by `decision`, into
-    /// `held`, each at the instant Redis charged it.
+    /// `held`, each at the instant Redis charged it, and with the instant (Redis's clock) its
+    /// admission left the key full again: that instant plus the admitted snapshot's
+    /// `reset_after` (gcra: the TAT the admission stored, which a charge starts from).
     fn hold_settlements<G>(
         &self,
         keys: &[u8],
@@ -629,12 +631,11 @@ impl LimitSet {
         let Some(book) = cx.leases else { return };
         for (j, &(i, s, e, r)) in to_store.iter().enumerate() {
             let l = &self.limits[i];
-            let (Some(settle), Some(v)) = (&l.settle, decision.per_limit.get(j)) else {
+            let (Some(settle), Some(LimitVerdict::Admitted { snapshot, .. })) =
+                (&l.settle, decision.per_limit.get(j))
+            else {
                 continue;
             };
-            if !v.is_admitted() {
-                continue;
-            }
             let at = decision.at.get(j).copied().unwrap_or(0);
             held.settle_global(
                 settle,
@@ -642,7 +643,7 @@ impl LimitSet {
                 book,
                 &l.rate(r).algorithm,
                 l.redis_key(&keys[s..e]),
-                (l.cost, at),
+                (l.cost, at, at.saturating_add(snapshot.reset_after)),
             );
         }
     }

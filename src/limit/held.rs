@@ -194,7 +194,8 @@ impl Held {
     }
 
     /// A settlement of a request charged `estimate` at `at` in a local store, for `key`
-    /// decided under `algorithm`.
+    /// decided under `algorithm`, the admission leaving the key full again at `full_at` (`at`
+    /// plus its snapshot's `reset_after`).
     pub(super) fn settle_local(
         &mut self,
         config: &Arc<SettleConfig>,
@@ -202,7 +203,7 @@ impl Held {
         store: &Arc<LocalStore>,
         algorithm: &Algorithm,
         key: &[u8],
-        (estimate, at): (u64, Micros),
+        (estimate, at, full_at): (u64, Micros, Micros),
     ) {
         let Some(metrics) = metrics else { return };
         self.holding().settles.push(Settle {
@@ -210,6 +211,7 @@ impl Held {
             metrics: metrics.clone(),
             estimate,
             at,
+            full_at,
             target: Target::Local {
                 store: Arc::clone(store),
                 algorithm: algorithm.clone(),
@@ -219,7 +221,8 @@ impl Held {
     }
 
     /// A settlement of a request charged `estimate` at `at` (Redis time) on `key` (the limit's
-    /// base key) in the store of `book`.
+    /// base key) in the store of `book`, the admission leaving the key full again at `full_at`
+    /// (Redis time: `at` plus its snapshot's `reset_after`).
     pub(super) fn settle_global(
         &mut self,
         config: &Arc<SettleConfig>,
@@ -227,7 +230,7 @@ impl Held {
         book: &Arc<LeaseBook>,
         algorithm: &Algorithm,
         key: String,
-        (estimate, at): (u64, Micros),
+        (estimate, at, full_at): (u64, Micros, Micros),
     ) {
         let Some(metrics) = metrics else { return };
         self.holding().settles.push(Settle {
@@ -235,6 +238,7 @@ impl Held {
             metrics: metrics.clone(),
             estimate,
             at,
+            full_at,
             target: Target::Global {
                 book: Arc::clone(book),
                 algorithm: algorithm.clone(),
@@ -290,6 +294,9 @@ struct Settle {
     estimate: u64,
     /// When (the deciding store's clock).
     at: Micros,
+    /// When the admission left the key full again (the same clock): see
+    /// [`Settlement::full_at`].
+    full_at: Micros,
     target: Target,
 }
 
@@ -342,6 +349,7 @@ impl Settle {
         let settlement = Settlement {
             at: self.at,
             estimate: self.estimate,
+            full_at: self.full_at,
             delta,
         };
         match &self.target {
@@ -461,7 +469,7 @@ impl AfterStore for RedisStore {
                 cost: s.estimate,
                 max_delay: 0,
             };
-            store.settle(&limit, s.at, s.delta, None).await
+            store.settle(&limit, s, None).await
         })
     }
 }

@@ -894,9 +894,7 @@ impl LimitSet {
         let picked = spans.iter().filter(|s| pick(&self.limits[s.0]));
         for (&(i, s, e, r), v) in picked.zip(verdicts) {
             let l = &self.limits[i];
-            if v.is_err() {
-                continue;
-            }
+            let Ok((snapshot, _)) = v else { continue };
             if l.slots().is_some() {
                 held.local(&l.store, &keys[s..e], l.metrics.slots.as_ref());
             }
@@ -907,7 +905,7 @@ impl LimitSet {
                     &l.store,
                     &l.rate(r).algorithm,
                     &keys[s..e],
-                    (l.cost, cx.now),
+                    (l.cost, cx.now, cx.now.saturating_add(snapshot.reset_after)),
                 );
             }
         }

@@ -723,28 +723,21 @@ fn mirror_settlements(
         sh.rt.block_on(async {
             let mut state = alg.new_state();
             let mut now = start;
-            // (due at step, admitted at, estimate, delta, skew)
-            let mut pending: Vec<(usize, Micros, u64, i64, i64)> = Vec::new();
-            let settle = |state: &mut State, now: Micros, (at, estimate, delta, skew)| {
+            // (due at step, the settlement, skew)
+            let mut pending: Vec<(usize, Settlement, i64)> = Vec::new();
+            let settle = |state: &mut State, now: Micros, s: Settlement, skew| {
+                // The limit's cost is not read: the settlement's estimate is sent.
                 let limit = GlobalLimit {
                     algorithm: alg,
                     key: &key,
-                    cost: estimate,
+                    cost: 0,
                     max_delay: 0,
                 };
-                alg.settle(
-                    state,
-                    Settlement {
-                        at,
-                        estimate,
-                        delta,
-                    },
-                    now,
-                );
+                alg.settle(state, s, now);
                 let seen = now.saturating_add_signed(skew);
                 async move {
                     store
-                        .settle_seen_from(&limit, at, delta, Some(now), seen)
+                        .settle_seen_from(&limit, s, Some(now), seen)
                         .await
                         .expect("settle");
                     store.peek_at(&limit, Some(now)).await.expect("peek").0
@@ -755,14 +748,14 @@ fn mirror_settlements(
                 now += gap;
                 let due: Vec<_> = pending.iter().filter(|p| p.0 <= i).copied().collect();
                 pending.retain(|p| p.0 > i);
-                for (_, at, est, delta, skew) in due {
-                    let got = settle(&mut state, now, (at, est, delta, skew)).await;
+                for (_, s, skew) in due {
+                    let got = settle(&mut state, now, s, skew).await;
                     prop_assert_eq!(
                         got,
                         alg.peek(&state, now),
-                        "{:?} settling {} at {} (step {})",
+                        "{:?} settling {:?} at {} (step {})",
                         path,
-                        at,
+                        s,
                         now,
                         i
                     );
@@ -789,12 +782,27 @@ fn mirror_settlements(
                 }
                 alg.commit(&mut state, now, estimate);
                 prop_assert_eq!(got.at[0], now);
+                let LimitVerdict::Admitted { snapshot, .. } = expected else {
+                    unreachable!("admitted above")
+                };
+                // What the gateway sends: the decision's instant plus its reset_after, for gcra
+                // the TAT the admission stored.
+                let full_at = got.at[0] + snapshot.reset_after;
+                if let State::Gcra(g) = &state {
+                    prop_assert_eq!(full_at, g.tat);
+                }
                 let delta = cost as i64 - estimate as i64;
                 if delta == 0 {
                     continue;
                 }
+                let s = Settlement {
+                    at: now,
+                    estimate,
+                    full_at,
+                    delta,
+                };
                 if after == 0 {
-                    let got = settle(&mut state, now, (now, estimate, delta, skew)).await;
+                    let got = settle(&mut state, now, s, skew).await;
                     prop_assert_eq!(
                         got,
                         alg.peek(&state, now),
@@ -803,19 +811,19 @@ fn mirror_settlements(
                         i
                     );
                 } else {
-                    pending.push(((i + after).min(steps_len), now, estimate, delta, skew));
+                    pending.push(((i + after).min(steps_len), s, skew));
                 }
             }
             // The responses still out end after the last step, `tail` later.
             now += tail;
-            for (_, at, est, delta, skew) in pending {
-                let got = settle(&mut state, now, (at, est, delta, skew)).await;
+            for (_, s, skew) in pending {
+                let got = settle(&mut state, now, s, skew).await;
                 prop_assert_eq!(
                     got,
                     alg.peek(&state, now),
-                    "{:?} settling {} at the end, {}",
+                    "{:?} settling {:?} at the end, {}",
                     path,
-                    at,
+                    s,
                     now
                 );
             }

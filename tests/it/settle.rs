@@ -4,7 +4,9 @@
 //! give the whole charge back (the upstream's and tollgate's own); a missing or unparsable
 //! value that keeps the estimate and is counted; the same in a real Redis, at one script call
 //! per settlement and none when the cost is the estimate; window limits too (a calendar day's
-//! token quota in debt until local midnight; fixed and sliding windows in Redis).
+//! token quota in debt until local midnight; fixed and sliding windows in Redis); a gcra charge
+//! whose response comes once its admission's TAT has passed, locally and in Redis, still runs
+//! from that TAT.
 
 use std::time::Duration;
 
@@ -246,6 +248,75 @@ async fn a_cost_trailer_settles_over_http1_chunked_and_over_http2() {
     assert_eq!(r.text().await.unwrap(), "hello");
     assert_eq!(state(&g, "t", "two").await["remaining"], 3);
     assert_eq!(settled(&g, "t", "charged"), 12.0);
+}
+
+/// gcra charges a settlement from the TAT its admission left: admitted from a bucket that was
+/// not full (TAT 5 s ahead after a first request's debt), then settled exactly when that TAT
+/// (6 s) is reached, the 3 units more run from 6 s to 9 s, not from `admission + estimate × T`
+/// (4 s, to 7 s), which would let the key admit more than its bound.
+#[tokio::test]
+async fn a_gcra_charge_settled_when_its_tat_passes_runs_from_the_admissions_tat() {
+    let (held, release) = upstream::trailer_on_release().await;
+    let (g, clock) =
+        Gateway::start_manual(&yaml(None, &[("held", &held)], &tokens("gcra", 1, "local"))).await;
+    // 1 charged, 5 used: the TAT 5 s ahead (T = 1 s, burst 10).
+    release.add_permits(1);
+    let r = get(&g, "/held?n=5", "k").await;
+    assert_eq!(r.text().await.unwrap(), "held");
+    assert_eq!(state(&g, "held", "k").await["reset_after_ms"], 5000);
+    // 3 s later: admitted on 1 from the TAT at 5 s, to 6 s; the response head is out.
+    clock.advance(3_000_000);
+    let r = get(&g, "/held?n=4", "k").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(state(&g, "held", "k").await["reset_after_ms"], 3000);
+    // Its cost (4: 3 more) comes at 6 s, the instant that TAT passes.
+    clock.advance(3_000_000);
+    release.add_permits(1);
+    assert_eq!(r.text().await.unwrap(), "held");
+    let s = state(&g, "held", "k").await;
+    assert_eq!(
+        (&s["reset_after_ms"], &s["remaining"]),
+        (&3000.into(), &7.into())
+    );
+    assert_eq!(settled(&g, "held", "charged"), 7.0);
+}
+
+/// The same in Redis, on Redis's clock (T = 200 ms, burst 10): the second request's TAT
+/// (1.2 s after the first) has passed when its 5 units more settle, and they still run from
+/// it, so the key is 1 s from full at once; from `admission + estimate × T` they would have
+/// drained before they were charged.
+#[tokio::test]
+async fn a_global_gcra_charge_settled_after_its_tat_runs_from_the_admissions_tat() {
+    let (held, release) = upstream::trailer_on_release().await;
+    let redis = RedisServer::start();
+    let limit = tokens("gcra", 1, "global").replace("rate: 100/100s", "rate: 50/10s");
+    let g = Gateway::start(&yaml(Some(&redis.url()), &[("held", &held)], &limit)).await;
+    release.add_permits(1);
+    assert_eq!(
+        get(&g, "/held?n=5", "k").await.text().await.unwrap(),
+        "held"
+    );
+    // Settled in the background: 5 of 10 taken, the TAT 1 s ahead.
+    assert_eq!(remaining_reaches(&g, "held", "k", 5).await, 5);
+    let r = get(&g, "/held?n=6", "k").await;
+    assert_eq!(r.status(), 200);
+    // Its TAT (1.2 s from the first admission) passes before the cost comes.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    release.add_permits(1);
+    assert_eq!(r.text().await.unwrap(), "held");
+    // From 1.2 s, the TAT goes to 2.2 s: about 0.9 s ahead now (never 0, as it would be from
+    // `admission + estimate × T`, 0.2 s + 1 s, before now).
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let ahead = loop {
+        let ahead = state(&g, "held", "k").await["reset_after_ms"]
+            .as_u64()
+            .unwrap();
+        if ahead > 0 || std::time::Instant::now() > deadline {
+            break ahead;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!((1..=900).contains(&ahead), "{ahead} ms ahead");
 }
 
 fn fcalls(redis: &RedisServer) -> u64 {
@@ -546,14 +617,15 @@ mod mirror {
                         if let (Ok(snapshot), Some(LimitVerdict::Admitted { snapshot: s, .. })) = (expected, got.per_limit.first()) {
                             prop_assert_eq!(s, &snapshot);
                         }
-                        if got.admitted {
+                        if let (true, Ok(snapshot)) = (got.admitted, expected) {
                             alg.commit(&mut state, now, estimate);
                             let at = got.at[0];
                             prop_assert_eq!(at, now);
                             let delta = cost as i64 - estimate as i64;
                             let settled_at = now + after;
-                            alg.settle(&mut state, Settlement { at, estimate, delta }, settled_at);
-                            store.settle(&limit, at, delta, Some(settled_at)).await.expect("settle");
+                            let s = Settlement { at, estimate, full_at: at + snapshot.reset_after, delta };
+                            alg.settle(&mut state, s, settled_at);
+                            store.settle(&limit, s, Some(settled_at)).await.expect("settle");
                             let (peek, _) = store.peek_at(&limit, Some(settled_at)).await.expect("peek");
                             prop_assert_eq!(peek, alg.peek(&state, settled_at), "after settling step {} at {}", i, settled_at);
                             now = settled_at;

@@ -3,8 +3,9 @@
 //!
 //! A settlement is accounted **as if the true cost had been charged at admission** (`at`, on
 //! the clock that decided it), as far as the state still remembers the admission: gcra moves
-//! the TAT by the difference (from no earlier than the admission's own TAT, `at + estimate ×
-//! T`, so a key that expired meanwhile is charged as the request would have been); the sliding
+//! the TAT by the difference (a charge from no earlier than the TAT the admission itself left,
+//! `full_at`, so a key whose bucket refilled or expired meanwhile is charged as the request
+//! would have been); the sliding
 //! log changes the request's own entry, at `at`; the window algorithms move the count of the
 //! window `at` fell in: fixed_window's current window, sliding_window's current or previous one
 //! (whose count the weighted estimate still reads). Any of them may leave the key **in debt**,
@@ -25,8 +26,11 @@
 //! (for the window algorithms, also in any aligned window, calendar windows included) is at
 //! most the algorithm's bound plus the window's largest single settlement (the last request
 //! admitted in the window cannot have paid its own). With `k` requests in flight at once, the
-//! `k` largest. A fixed window forgets a debt at its end (that is its bound: per window); the
-//! others keep it until it has drained.
+//! `k` largest; for gcra, refunds in flight never take it past the bound (tested below), but a
+//! charge settled after the key's TAT has passed starts from its own admission's TAT, and the
+//! units of requests admitted while it was in flight come on top (see [`settle_gcra`]). A fixed
+//! window forgets a debt at its end (that is its bound: per window); the others keep it until
+//! it has drained.
 
 use super::{
     Algorithm, FixedWindow, Gcra, GcraState, LogState, Micros, SlidingLog, SlidingState,
@@ -40,6 +44,12 @@ pub struct Settlement {
     pub at: Micros,
     /// What it was charged then.
     pub estimate: u64,
+    /// When the admission left the key full again, on the same clock: `at` plus the admitted
+    /// snapshot's `reset_after`. For gcra that is the TAT the admission stored, which a charge
+    /// starts from at the earliest: `at + estimate × T` is that TAT only when the bucket was
+    /// full at admission, and charging from it otherwise would admit more than the bound once
+    /// the TAT has passed. The other algorithms do not read it.
+    pub full_at: Micros,
     /// True cost minus the estimate: > 0 charges more, < 0 gives back.
     pub delta: i64,
 }
@@ -76,19 +86,33 @@ impl Algorithm {
     }
 }
 
-/// gcra: the TAT moves by `delta × T`. A charge starts from the admission's own TAT at least
-/// (`at + estimate × T`), a TAT already past (a full bucket, dropped or not) counting as none;
-/// a refund takes from the TAT as it is (one at or before `now` is a full bucket, and stays
-/// one).
+/// gcra: the TAT moves by `delta × T`.
+///
+/// A charge starts from the TAT the admission left (`s.full_at`) at least, or from the stored
+/// TAT when that is later and still ahead of `now` (later requests stacked on it). A stored
+/// TAT already past is a full bucket and counts as none: the local store forgets it at that
+/// instant while Redis may keep the key a little longer (its TTL is rounded up to whole
+/// milliseconds, and never below the minimum TTL), so reading it would make the two disagree;
+/// the anchor alone keeps the charge strict for requests made one after another. (Requests
+/// admitted while this one was in flight had their units in that passed TAT: those are not
+/// charged again, and come on top of the bound.)
+///
+/// A refund takes from the TAT as it is, but only the part of the request's charge still ahead
+/// of `now` (`s.full_at - now`, at most `|delta| × T`): what has drained already may since
+/// have been taken again by a request admitted meanwhile, whose charge it would give back.
+/// For requests made one after another this changes nothing: the stored TAT is `full_at`, so
+/// the cap applies only when the whole refund would take it to or before `now`, and a TAT at
+/// or before `now` is a full bucket either way.
 pub fn settle_gcra(g: &Gcra, state: &mut GcraState, s: Settlement, now: Micros) {
     let t = g.emission_interval();
     let units = s.delta.unsigned_abs();
     if s.delta > 0 {
         let live = if state.tat > now { state.tat } else { 0 };
-        let base = live.max(s.at.saturating_add(t.saturating_mul(s.estimate)));
+        let base = live.max(s.full_at);
         state.tat = base.saturating_add(t.saturating_mul(units));
     } else if state.tat > 0 {
-        state.tat = state.tat.saturating_sub(t.saturating_mul(units));
+        let back = t.saturating_mul(units).min(s.full_at.saturating_sub(now));
+        state.tat = state.tat.saturating_sub(back);
     }
 }
 
@@ -206,6 +230,7 @@ mod tests {
         let s = Settlement {
             at: 0,
             estimate: 1,
+            full_at: 100_000,
             delta: 7,
         };
         assert_eq!(alg.settle(&mut st, s, 50_000), Some(800_000));
@@ -219,10 +244,108 @@ mod tests {
         let back = Settlement {
             at: 0,
             estimate: 3,
+            full_at: 300_000,
             delta: -3,
         };
         alg.settle(&mut st, back, 10);
         assert_eq!(alg.peek(&st, 10).remaining, 5);
+    }
+
+    /// The saved regression case f5a4b1d7, step by step: a charge settled exactly when the TAT
+    /// the admission left is reached starts from that TAT, not from `at + estimate × T` (the
+    /// admission's TAT only when its bucket was full).
+    #[test]
+    fn a_charge_settled_once_the_tat_has_passed_starts_from_the_admissions_tat() {
+        let alg = Algorithm::Gcra(Gcra::new(quota()));
+        let mut st = alg.new_state();
+        alg.commit(&mut st, 0, 1);
+        let first = Settlement {
+            at: 0,
+            estimate: 1,
+            full_at: 100_000,
+            delta: 4,
+        };
+        assert_eq!(alg.settle(&mut st, first, 0), Some(500_000));
+        // Admitted at 303.764 ms from a bucket that was not full: TAT 500 ms + T.
+        let at = 303_764;
+        let snap = alg.check(&st, at, 1).expect("admitted");
+        alg.commit(&mut st, at, 1);
+        assert_eq!(at + snap.reset_after, 600_000);
+        let second = Settlement {
+            at,
+            estimate: 1,
+            full_at: at + snap.reset_after,
+            delta: 3,
+        };
+        // Settled at 600 ms, the instant that TAT passes: 600 ms + 3 × T, not 703.764 ms.
+        assert_eq!(alg.settle(&mut st, second, 600_000), Some(900_000));
+        // A later anchor than a live stored TAT is never read as less than the stored one.
+        let mut st = State::Gcra(GcraState { tat: 2_000_000 });
+        let behind = Settlement {
+            full_at: 1_500_000,
+            ..second
+        };
+        assert_eq!(alg.settle(&mut st, behind, 1_000_000), Some(2_300_000));
+        // Once the charge has drained by `now`, nothing is left of it.
+        let mut st = alg.new_state();
+        assert_eq!(alg.settle(&mut st, second, 1_000_000), Some(900_000));
+        assert_eq!(
+            alg.peek(&st, 1_000_000),
+            alg.peek(&alg.new_state(), 1_000_000)
+        );
+    }
+
+    /// With another request admitted while it was in flight, a charge settled once the key's
+    /// TAT has passed still starts from its own admission's TAT: the passed TAT (which held
+    /// the other request's units) is a full bucket and not read, so that request's units come
+    /// on top of the bound (docs/algorithms.md says so).
+    #[test]
+    fn a_charge_settled_after_the_tat_passed_does_not_read_the_passed_tat() {
+        let alg = Algorithm::Gcra(Gcra::new(quota()));
+        let mut st = alg.new_state();
+        alg.commit(&mut st, 0, 1);
+        alg.commit(&mut st, 50_000, 1);
+        assert_eq!(alg.full_at(&st), 200_000);
+        let x = Settlement {
+            at: 0,
+            estimate: 1,
+            full_at: 100_000,
+            delta: 8,
+        };
+        // Charged at admission, X would have left 900 ms and Y 1 s.
+        assert_eq!(alg.settle(&mut st, x, 250_000), Some(900_000));
+        // While the TAT is ahead, it is what the charge starts from.
+        let mut st = alg.new_state();
+        alg.commit(&mut st, 0, 1);
+        alg.commit(&mut st, 50_000, 1);
+        assert_eq!(alg.settle(&mut st, x, 150_000), Some(1_000_000));
+    }
+
+    /// A refund settled once the admission's TAT has passed gives back only what is still
+    /// ahead of `now`: the rest has drained, and the bucket's TAT is now a later request's.
+    #[test]
+    fn a_late_refund_does_not_give_back_a_later_requests_charge() {
+        let alg = Algorithm::Gcra(Gcra::new(quota()));
+        let mut st = alg.new_state();
+        // X: 5 at 0 (TAT 500 ms); Y: 5 at 500 ms, from a full bucket again (TAT 1 s).
+        alg.commit(&mut st, 0, 5);
+        alg.commit(&mut st, 500_000, 5);
+        let x = Settlement {
+            at: 0,
+            estimate: 5,
+            full_at: 500_000,
+            delta: -5,
+        };
+        // X cost nothing, but its units had drained by 500 ms: Y's stay charged.
+        alg.settle(&mut st, x, 500_000);
+        assert_eq!(alg.full_at(&st), 1_000_000);
+        assert!(alg.check(&st, 500_000, 1).is_err());
+        // Settled at 300 ms instead, the 200 ms still ahead of it come back.
+        let mut st = alg.new_state();
+        alg.commit(&mut st, 0, 5);
+        alg.commit(&mut st, 250_000, 1);
+        alg.settle(&mut st, x, 300_000);
+        assert_eq!(alg.full_at(&st), 400_000);
     }
 
     #[test]
@@ -232,9 +355,11 @@ mod tests {
         let mut st = alg.new_state();
         alg.commit(&mut st, 100, 2);
         alg.commit(&mut st, 200, 2);
+        // The log does not read `full_at`.
         let s = |at, delta| Settlement {
             at,
             estimate: 2,
+            full_at: 0,
             delta,
         };
         alg.settle(&mut st, s(100, 9), 300);
@@ -274,7 +399,7 @@ mod tests {
         for w in 0..steps.len() {
             let (gap, estimate, cost, when) = steps[w];
             now += gap;
-            if alg.check(&st, now, estimate).is_ok() {
+            if let Ok(admitted_snapshot) = alg.check(&st, now, estimate) {
                 alg.commit(&mut st, now, estimate);
                 let delta = cost as i64 - estimate as i64;
                 let next_gap = steps.get(w + 1).map_or(0, |s| s.0);
@@ -282,6 +407,7 @@ mod tests {
                 let s = Settlement {
                     at: now,
                     estimate,
+                    full_at: now + admitted_snapshot.reset_after,
                     delta,
                 };
                 alg.settle(&mut st, s, settled_at);
@@ -289,6 +415,56 @@ mod tests {
             }
         }
         admitted
+    }
+
+    /// One request with others in flight: [`Step`], and how many later requests are admitted
+    /// (or refused) before its response settles it.
+    type InFlightStep = (u64, u64, u64, u64, usize);
+
+    /// [`run`] with responses that settle after `lag` later steps (in the gap after the last of
+    /// them), so up to `lag + 1` requests are in flight at once.
+    fn run_in_flight(alg: &Algorithm, steps: &[InFlightStep]) -> Vec<(Micros, u64, i64)> {
+        let mut st = alg.new_state();
+        let mut now = 0;
+        let mut admitted = Vec::new();
+        let mut pending: Vec<(usize, u64, Settlement)> = Vec::new();
+        for (w, &(gap, estimate, cost, when, lag)) in steps.iter().enumerate() {
+            now += gap;
+            if let Ok(snapshot) = alg.check(&st, now, estimate) {
+                alg.commit(&mut st, now, estimate);
+                let delta = cost as i64 - estimate as i64;
+                let s = Settlement {
+                    at: now,
+                    estimate,
+                    full_at: now + snapshot.reset_after,
+                    delta,
+                };
+                pending.push((w + lag, when, s));
+                admitted.push((now, cost, delta));
+            }
+            let next_gap = steps.get(w + 1).map_or(0, |s| s.0);
+            let mut due: Vec<_> = pending.iter().filter(|p| p.0 <= w).copied().collect();
+            pending.retain(|p| p.0 > w);
+            due.sort_by_key(|p| p.1);
+            for (_, when, s) in due {
+                alg.settle(&mut st, s, now + next_gap * when / 1000);
+            }
+        }
+        admitted
+    }
+
+    /// Requests of true costs up to their estimates (refunds only), settled in flight.
+    fn refund_steps() -> impl Strategy<Value = Vec<InFlightStep>> {
+        let step = (0..400_000u64, 1..6u64).prop_flat_map(|(gap, estimate)| {
+            (
+                Just(gap),
+                Just(estimate),
+                0..=estimate,
+                0..1000u64,
+                0..4usize,
+            )
+        });
+        proptest::collection::vec(step, 1..80)
     }
 
     /// The largest true cost of the requests admitted in any window `[t, t + span]` (`closed`)
@@ -326,12 +502,14 @@ mod tests {
             .unwrap_or(0)
     }
 
+    /// A settlement on a window algorithm (which does not read `full_at`).
     fn settle(alg: &Algorithm, st: &mut State, at: Micros, estimate: u64, delta: i64, now: Micros) {
         alg.settle(
             st,
             Settlement {
                 at,
                 estimate,
+                full_at: 0,
                 delta,
             },
             now,
@@ -547,6 +725,17 @@ mod tests {
             let g = Gcra::new(quota());
             let bound = quota().burst + quota().period / g.emission_interval();
             let admitted = run(&Algorithm::Gcra(g), &steps);
+            prop_assert!(worst(&admitted, quota().period, true) <= bound);
+        }
+
+        /// gcra with up to four requests in flight, each given back part or all of its
+        /// estimate: never more than its bound, however the refunds interleave with the
+        /// admissions (a refund gives back only what of its charge is still ahead of now).
+        #[test]
+        fn gcra_refunds_in_flight_never_admit_more_than_its_bound(steps in refund_steps()) {
+            let g = Gcra::new(quota());
+            let bound = quota().burst + quota().period / g.emission_interval();
+            let admitted = run_in_flight(&Algorithm::Gcra(g), &steps);
             prop_assert!(worst(&admitted, quota().period, true) <= bound);
         }
 

@@ -69,7 +69,7 @@ use fred::prelude::{
 use fred::types::config::UnresponsiveConfig;
 use tokio::task::JoinSet;
 
-use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
+use crate::limit::algorithm::{Algorithm, Micros, Rejection, Settlement, Snapshot};
 use batch::{Batcher, Enqueued, Pending};
 use script::{Call, DecideReply, Scripts};
 
@@ -886,24 +886,19 @@ impl RedisStore {
         Ok(renewed)
     }
 
-    /// After a response: `limit` (its `cost` the estimate charged at `at`, the instant its
-    /// decision returned) really cost `delta` more (or less), charged or given back in one
-    /// script call (any rate algorithm; the key may go into debt). Whether the state changed.
+    /// After a response: the request `s` names (charged `s.estimate` on `limit`'s key at
+    /// `s.at`, the instant its decision returned, which left the key full again at
+    /// `s.full_at`) really cost `s.delta` more (or less), charged or given back in one script
+    /// call (any rate algorithm; the key may go into debt). `limit.cost` is not read: the
+    /// estimate is the settlement's. Whether the state changed.
     pub async fn settle(
         &self,
         limit: &GlobalLimit<'_>,
-        at: Micros,
-        delta: i64,
+        s: Settlement,
         now_override: Option<Micros>,
     ) -> Result<bool, RedisError> {
-        self.settle_seen_from(
-            limit,
-            at,
-            delta,
-            now_override,
-            script::instance_now(now_override),
-        )
-        .await
+        self.settle_seen_from(limit, s, now_override, script::instance_now(now_override))
+            .await
     }
 
     /// [`RedisStore::settle`] with calendar windows sent around `instance_now` rather than this
@@ -912,13 +907,12 @@ impl RedisStore {
     pub async fn settle_seen_from(
         &self,
         limit: &GlobalLimit<'_>,
-        at: Micros,
-        delta: i64,
+        s: Settlement,
         now_override: Option<Micros>,
         instance_now: Micros,
     ) -> Result<bool, RedisError> {
         self.inner.check_breaker()?;
-        let (keys, args) = script::settle_call(limit, at, delta, now_override, instance_now)?;
+        let (keys, args) = script::settle_call(limit, s, now_override, instance_now)?;
         let reply = self.inner.eval(Call::Settle, keys, args).await?;
         Ok(reply.first() == Some(&1))
     }

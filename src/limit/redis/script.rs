@@ -14,7 +14,7 @@ use fred::types::scripts::Script;
 use fred::types::{MultipleKeys, MultipleValues};
 
 use super::{GlobalLimit, LimitVerdict, RedisError};
-use crate::limit::algorithm::{Algorithm, Micros, Rejection, Snapshot};
+use crate::limit::algorithm::{Algorithm, Micros, Rejection, Settlement, Snapshot};
 
 /// `gcra.lua` (helpers and the gcra arithmetic) and `lib.lua` (the four algorithms) followed
 /// by one entry point: each script is self-contained on the server, with a single copy of the
@@ -646,15 +646,14 @@ pub(super) fn renew_call(
     Ok((leases.iter().map(|(k, ..)| k.clone()).collect(), args))
 }
 
-/// KEYS and ARGV of one settle.lua call: `limit` (its `cost` the estimate) charged at `at`
-/// really cost `delta` more (or less, when negative). Calendar windows are sent around
-/// `instance_now`, as for a decision (not around `at`, as a refund's are): a settlement writes
-/// the window holding Redis's clock now, and tells the admission's window from it by `at`
-/// alone (the same window, or an earlier one).
+/// KEYS and ARGV of one settle.lua call: the request `s` names, charged `s.estimate` (sent as
+/// the limit's cost) on `limit`'s key at `s.at`, really cost `s.delta` more (or less, when
+/// negative). Calendar windows are sent around `instance_now`, as for a decision (not around
+/// `at`, as a refund's are): a settlement writes the window holding Redis's clock now, and
+/// tells the admission's window from it by `at` alone (the same window, or an earlier one).
 pub(super) fn settle_call(
     limit: &GlobalLimit<'_>,
-    at: Micros,
-    delta: i64,
+    s: Settlement,
     now_override: Option<Micros>,
     instance_now: Micros,
 ) -> Result<(Vec<String>, Vec<i64>), RedisError> {
@@ -662,10 +661,17 @@ pub(super) fn settle_call(
     let mut args = vec![
         now_arg(now_override)?,
         ttl_floor_ms(now_override),
-        now_arg(Some(at))?,
-        delta.clamp(-bound, bound),
+        now_arg(Some(s.at))?,
+        s.delta.clamp(-bound, bound),
+        // Within the scripts' exact range (as an instant is): only a debt beyond any real one
+        // could reach it.
+        s.full_at.min(MAX_PARAM * 8) as i64,
     ];
-    push_limit(&mut args, limit, 0, instance_now)?;
+    let limit = GlobalLimit {
+        cost: s.estimate,
+        ..*limit
+    };
+    push_limit(&mut args, &limit, 0, instance_now)?;
     Ok((redis_keys(limit.key, limit.algorithm), args))
 }
 

@@ -297,3 +297,48 @@ pub async fn raw(parts: &'static [&'static [u8]]) -> String {
     });
     url
 }
+
+/// A hand-written upstream whose cost trailer waits to be released: for every connection it
+/// reads a request head, writes a chunked 200 head and body at once, then, once the returned
+/// semaphore has a permit for it (taken, one per answer), the last chunk with the trailer
+/// `x-usage: N` (N from the request's `?n=N`), and closes. So a test can hold a response open
+/// past its admission and decide when its cost settles. Returns its URL.
+pub async fn trailer_on_release() -> (String, Arc<tokio::sync::Semaphore>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let permits = Arc::clone(&release);
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let permits = Arc::clone(&permits);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf).into_owned();
+                let n: String = head
+                    .split_once("n=")
+                    .map(|(_, rest)| rest.chars().take_while(char::is_ascii_digit).collect())
+                    .unwrap_or_default();
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-usage\r\n\r\n4\r\nheld\r\n")
+                    .await;
+                let Ok(permit) = permits.acquire().await else {
+                    return;
+                };
+                permit.forget();
+                let _ = s
+                    .write_all(format!("0\r\nx-usage: {n}\r\n\r\n").as_bytes())
+                    .await;
+            });
+        }
+    });
+    (url, release)
+}

@@ -104,9 +104,9 @@ end
 -- Each algorithm: load(l) -> state; check(l, s, now) -> admitted, remaining, reset_after,
 -- retry_after_or_delay; commit(l, s, now, floor_ms) writes what check decided;
 -- peek(l, s, now) -> remaining, reset_after; refund(l, at, now, floor_ms) undoes one commit
--- made at `at`; the rate algorithms (1 to 5) also settle(l, at, delta, now, floor_ms) -> 1|0:
--- the request charged `l.cost` at `at` really cost `l.cost + delta` (src/limit/algorithm/
--- settle.rs, which it mirrors).
+-- made at `at`; the rate algorithms (1 to 5) also settle(l, at, delta, now, floor_ms, full_at)
+-- -> 1|0: the request charged `l.cost` at `at` (which left the key full again at `full_at`, read
+-- by gcra only) really cost `l.cost + delta` (src/limit/algorithm/settle.rs, which it mirrors).
 local ALG = {}
 
 -- A script's body runs on every call, so the algorithms are built on first use: defining
@@ -157,25 +157,34 @@ BUILD[1] = function()
       gcra_store(l.keys[1], s.tat - back, now, floor_ms)
       return 1
     end,
-    -- The TAT moves by delta × t: a charge from no earlier than the admission's own TAT (a key
-    -- expired meanwhile is charged as the request would have been), a refund from the TAT as
-    -- it is. The key may go into debt (a TAT past now + tau).
-    settle = function(l, at, delta, now, floor_ms)
+    -- The TAT moves by delta × t: a charge from no earlier than the TAT the admission left
+    -- (`full_at`: a key refilled or expired meanwhile is charged as the request would have
+    -- been), a refund from the TAT as it is, of no more than `full_at - now`. The key may go
+    -- into debt (a TAT past now + tau).
+    settle = function(l, at, delta, now, floor_ms, full_at)
       local s = ALG[1].load(l)
       if delta > 0 then
-        -- A TAT already past is a full bucket, whether or not its key has expired yet.
+        -- A TAT already past is a full bucket, whether or not its key has expired yet (its TTL
+        -- is rounded up to whole ms, and never below floor_ms): read as none, as the local
+        -- store forgets it. The anchor keeps the charge strict.
         local live = s.tat
         if live <= now then
           live = 0
         end
-        local tat = math.max(live, at + s.t * l.cost) + s.t * delta
+        local tat = math.max(live, full_at) + s.t * delta
         gcra_store(l.keys[1], tat, now, floor_ms)
         return 1
       end
       if delta == 0 or s.tat == 0 then
         return 0
       end
-      gcra_store(l.keys[1], math.max(0, s.tat + s.t * delta), now, floor_ms)
+      -- Only the part of the charge still ahead of now: what has drained may have been taken
+      -- again by a request admitted meanwhile.
+      local back = math.min(-delta * s.t, math.max(0, full_at - now))
+      if back <= 0 then
+        return 0
+      end
+      gcra_store(l.keys[1], math.max(0, s.tat - back), now, floor_ms)
       return 1
     end,
   }

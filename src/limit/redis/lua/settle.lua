@@ -8,6 +8,9 @@
 --        [2] minimum TTL in ms, as for decide.lua
 --        [3] the `now` the decide call returned (the instant the estimate was charged at)
 --        [4] delta: true cost minus the estimate (> 0 charges more, < 0 gives back)
+--        [5] full_at: when the admission left the key full again, [3] plus its reply's
+--            reset_after (gcra: the TAT it stored, which a charge starts from; the other
+--            algorithms do not read it)
 --        then 6: algo, count, period, burst, cost (the estimate), max_delay
 --        (and for algo 5 the four calendar window bounds around the instance's clock now, as
 --        for decide.lua: the window a settlement writes is the one holding Redis's `now`)
@@ -17,9 +20,10 @@ local now = clock(ARGV[1])
 local floor_ms = tonumber(ARGV[2]) or 1
 local at = tonumber(ARGV[3])
 local delta = tonumber(ARGV[4])
-local l = read_limits(1, 4)[1]
+local full_at = tonumber(ARGV[5])
+local l = read_limits(1, 5)[1]
 local settle = ALG[l.algo].settle
-if not (settle and at and delta) then
+if not (settle and at and delta and full_at) then
   error('tollgate: cannot settle algorithm ' .. tostring(l.algo))
 end
-return settle(l, at, delta, now, floor_ms)
+return settle(l, at, delta, now, floor_ms, full_at)
