@@ -183,6 +183,10 @@ pub(crate) fn server_config(
     // The suite order above, not the client's: OpenSSL-based clients (curl, wrk, most
     // libraries) list AES-256-GCM first.
     cfg.ignore_client_order = true;
+    // One TLS 1.3 ticket per handshake, not rustls' two: a client resuming (the common new
+    // connection) needs one for its next connection, as OpenSSL sends after a resumption, and
+    // each ticket costs the client a session to build (measured in docs/benchmarks.md).
+    cfg.send_tls13_tickets = 1;
     Ok(Arc::new(cfg))
 }
 
