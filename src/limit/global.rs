@@ -354,7 +354,25 @@ impl LimitSet {
                 Tier::Known(r) if !l.shadow => {
                     self.tiers.in_process.inc();
                     self.tiers.in_process_duration.observe(started.elapsed());
-                    return Err(self.conclude(&[(i, Err(r))], cx));
+                    // The 429 names the refusing limit with the longest wait: the request's
+                    // other enforced global limits that the tier knows Redis refuses too are
+                    // weighed with it (looked up only: no probe is started or waited for).
+                    let mut known: Results = SmallVec::new();
+                    known.push((i, Err(r)));
+                    for &(j, s, e, r) in spans.iter().filter(|sp| {
+                        let o = &self.limits[sp.0];
+                        sp.0 != i && o.is_global() && !o.shadow && o.slots().is_none()
+                    }) {
+                        let o = &self.limits[j];
+                        let max_delay = o.delay_allowed(cx.allow_delay);
+                        if let Some(r) =
+                            o.deny_cache
+                                .check(&keys[s..e], probed.sent, max_delay, o.rate(r).id)
+                        {
+                            known.push((j, Err(r)));
+                        }
+                    }
+                    return Err(self.conclude(&known, cx));
                 }
                 Tier::Known(r) => results.push((i, Err(r))),
                 Tier::Ask(lead) => {

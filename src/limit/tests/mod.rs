@@ -189,6 +189,20 @@ fn rows() -> Vec<Row> {
             ],
         },
         Row {
+            name: "the tier's 429 names the refusing limit with the longest wait, not the first",
+            limits: &[
+                "{name: short, key: [query:k], algorithm: gcra, rate: 1/1s, burst: 1}",
+                "{name: long, key: [query:k], algorithm: gcra, rate: 1/1h, burst: 1}",
+            ],
+            store: Store::Answers,
+            on_error: STRICT,
+            overtaken: false,
+            expect: &[Admit, Reject("long"), Reject("long")],
+            calls: (1, 0),
+            left: &[("short", 0), ("long", 0)],
+            counted: &[("tier", "redis", 1), ("tier", "in_process", 2)],
+        },
+        Row {
             name: "tier hit: a used-up fixed window is learned from the admission",
             limits: &["{name: glob, key: [query:k], algorithm: fixed_window, rate: 1/1s}"],
             store: Store::Answers,
