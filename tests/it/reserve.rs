@@ -209,6 +209,26 @@ async fn instances_sharing_a_reserving_key_never_exceed_its_gcra_bound() {
     }
 }
 
+/// A gateway with a reserving route `name` on `/` (key `literal:NAME`, `rate`, `burst`,
+/// reserve_ahead 100ms) and a small one on `/warm`, asked once so that the function library is
+/// loaded by a call on another key before the test counts Redis calls.
+async fn warmed(redis: &RedisServer, up: &Upstream, name: &str, rate: &str, burst: u64) -> Gateway {
+    let routes = route(
+        "warm",
+        "/warm",
+        &up.url(),
+        &reserving("l", "literal:w", "10/1s", 10, "100ms"),
+    ) + &route(
+        name,
+        "/",
+        &up.url(),
+        &reserving("l", &format!("literal:{name}"), rate, burst, "100ms"),
+    );
+    let g = Gateway::start(&config(&redis.url(), "deny", "2s", &routes)).await;
+    assert_eq!(g.get("/warm").await.status, 200);
+    g
+}
+
 /// One instance, a key with room to spare (1000000/1s, burst 1000000, reserve_ahead 100ms),
 /// eight clients, 3000 requests: every one admitted, with well under one Redis script call per
 /// ten requests (the reservations grow with the key's rate).
@@ -216,20 +236,7 @@ async fn instances_sharing_a_reserving_key_never_exceed_its_gcra_bound() {
 async fn a_hot_key_costs_redis_well_under_a_call_per_ten_requests() {
     let redis = RedisServer::start();
     let up = Upstream::start().await;
-    let routes = route(
-        "warm",
-        "/warm",
-        &up.url(),
-        &reserving("l", "literal:w", "10/1s", 10, "100ms"),
-    ) + &route(
-        "hot",
-        "/",
-        &up.url(),
-        &reserving("l", "literal:hot", "1000000/1s", 1_000_000, "100ms"),
-    );
-    let g = Gateway::start(&config(&redis.url(), "deny", "2s", &routes)).await;
-    // The library is loaded by a first call, on another key.
-    assert_eq!(g.get("/warm").await.status, 200);
+    let g = warmed(&redis, &up, "hot", "1000000/1s", 1_000_000).await;
     let before = script_calls(&redis);
     let fetcher = g.fetcher();
     let per_client = 375;
@@ -485,19 +492,7 @@ async fn with_redis_down_allow_decides_a_reserving_limit_on_the_local_fallback()
 async fn reserved_tier_counts_the_decisions_answered_in_process() {
     let redis = RedisServer::start();
     let up = Upstream::start().await;
-    let routes = route(
-        "warm",
-        "/warm",
-        &up.url(),
-        &reserving("l", "literal:w", "10/1s", 10, "100ms"),
-    ) + &route(
-        "counted",
-        "/",
-        &up.url(),
-        &reserving("l", "literal:k", "100000/1s", 100_000, "100ms"),
-    );
-    let g = Gateway::start(&config(&redis.url(), "deny", "2s", &routes)).await;
-    assert_eq!(g.get("/warm").await.status, 200);
+    let g = warmed(&redis, &up, "counted", "100000/1s", 100_000).await;
     let m = g.metrics().await;
     let (reserved0, redis0) = (tier(&m, "reserved"), tier(&m, "redis"));
     let calls0 = script_calls(&redis);
