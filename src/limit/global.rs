@@ -152,10 +152,6 @@ struct Probed<'s> {
     sent: Micros,
 }
 
-/// Units a request took from its limits' reservations: limit, key span, rate, and the
-/// reservation's identity.
-type Spent = SmallVec<[(usize, usize, usize, u16, Micros); 2]>;
-
 /// What a reserving limit's key gave a request.
 enum Reserved {
     /// Its units, from a reservation: the snapshot for its fields and the reservation's
@@ -181,8 +177,7 @@ enum Tier<'s> {
 }
 
 impl LimitSet {
-    /// Decides a request with at least one strict global limit (see the module doc). Units it
-    /// took from reservations (`reserve_ahead`) go back to them unless it is admitted.
+    /// Decides a request with at least one strict global limit (see the module doc).
     pub(super) async fn evaluate_global<G: GlobalStore>(
         &self,
         keys: &[u8],
@@ -191,36 +186,11 @@ impl LimitSet {
         started: std::time::Instant,
         held: &mut Held,
     ) -> Verdict {
-        let mut spent = Spent::new();
-        let verdict = self
-            .evaluate_global_spending(keys, spans, cx, started, held, &mut spent)
-            .await;
-        if !spent.is_empty() && !matches!(verdict, Verdict::Admit { .. }) {
-            let now = cx.clock.now();
-            for (i, s, e, r, until) in spent {
-                let l = &self.limits[i];
-                l.deny_cache
-                    .give_back(&keys[s..e], now, l.rate(r).id, l.cost, until);
-            }
-        }
-        verdict
-    }
-
-    async fn evaluate_global_spending<G: GlobalStore>(
-        &self,
-        keys: &[u8],
-        spans: &[Span],
-        cx: &Context<'_, G>,
-        started: std::time::Instant,
-        held: &mut Held,
-        spent: &mut Spent,
-    ) -> Verdict {
         let mut results = Results::new();
-        let (probed, local) = if let Some(sp @ (i, s, e, r)) = self.reserving(spans) {
+        let (probed, local) = if let Some((sp @ (i, s, e, r), reserve)) = self.reserving(spans) {
             // Checked first, so that a request refused in process takes nothing reserved: units
             // given back to a reservation are still spent in Redis's eyes once it ends.
-            // (Nothing to check on a route whose one limit is the reserving one.)
-            let local = if spans.len() > 1 {
+            let local = if self.has_in_process(spans) {
                 match self.check_in_process(keys, spans, cx, started, &mut results) {
                     Ok(local) => local,
                     Err(rejected) => return rejected,
@@ -229,14 +199,18 @@ impl LimitSet {
                 SmallVec::new()
             };
             let l = &self.limits[i];
-            let Some(reserve) = &l.rate(r).reserve else {
-                unreachable!("reserving() picks a reserving rate")
-            };
             match self.reserved(l, reserve, &keys[s..e], r, cx).await {
                 Reserved::Spent(snapshot, until) => {
-                    spent.push((i, s, e, r, until));
                     results.push((i, Ok((snapshot, 0))));
-                    return self.answer_in_process(keys, spans, cx, started, results, held);
+                    let verdict = self.answer_in_process(keys, spans, cx, started, results, held);
+                    if !matches!(verdict, Verdict::Admit { .. }) {
+                        // A local limit refused at its charge after all (a race with another
+                        // request): the units go back to the reservation they came from.
+                        let now = cx.clock.now();
+                        l.deny_cache
+                            .give_back(&keys[s..e], now, l.rate(r).id, l.cost, until);
+                    }
+                    return verdict;
                 }
                 Reserved::Refused(rejection) if !l.shadow => {
                     return self.conclude(&[(i, Err(rejection))], cx);
@@ -388,12 +362,17 @@ impl LimitSet {
     /// with another strict global limit beside it is decided per request, all its global limits
     /// in one call: a refusal by one then takes nothing from the other, where units taken from a
     /// reservation and given back would still be spent in Redis's eyes once it ends.
-    fn reserving(&self, spans: &[Span]) -> Option<Span> {
+    fn reserving(&self, spans: &[Span]) -> Option<(Span, &Reserve)> {
         let mut global = spans.iter().filter(|s| self.limits[s.0].is_global());
         match (global.next(), global.next()) {
-            (Some(&sp), None) if self.limits[sp.0].rate(sp.3).reserve.is_some() => Some(sp),
+            (Some(&sp), None) => Some((sp, self.limits[sp.0].rate(sp.3).reserve.as_ref()?)),
             _ => None,
         }
+    }
+
+    /// Whether any of the request's limits is decided in process (local or eventual).
+    fn has_in_process(&self, spans: &[Span]) -> bool {
+        spans.iter().any(|s| !self.limits[s.0].is_global())
     }
 
     /// The end of a request whose global limits were all answered in process (`results`): no
@@ -407,8 +386,7 @@ impl LimitSet {
         mut results: Results,
         held: &mut Held,
     ) -> Verdict {
-        if spans.len() > 1
-            && spans.iter().any(|s| !self.limits[s.0].is_global())
+        if self.has_in_process(spans)
             && !self.commit_in_process(keys, spans, cx, Limit::is_local, &mut results, held)
         {
             self.count_local(started);

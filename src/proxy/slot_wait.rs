@@ -34,18 +34,23 @@ pub(super) async fn wait(
     let l = &limits.limits[limit];
     let place = l.store.queue.join(hash);
     let deadline = tokio::time::Instant::from_std(cx.started) + Duration::from_micros(l.max_delay);
-    let global = l.scope == Scope::Global;
-    let mut poll = tokio::time::interval_at(tokio::time::Instant::now() + GLOBAL_POLL, GLOBAL_POLL);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Only a global limit polls: other instances' releases are not announced.
+    let mut poll = (l.scope == Scope::Global).then(|| {
+        let mut poll =
+            tokio::time::interval_at(tokio::time::Instant::now() + GLOBAL_POLL, GLOBAL_POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        poll
+    });
     let abandoned = Abandoned(l);
     let mut gone = std::pin::pin!(gone);
+    let mut expired = std::pin::pin!(tokio::time::sleep_until(deadline));
     loop {
         let last = tokio::select! {
             biased;
             () = &mut gone => return Err(ProxyError::ClientGone),
-            () = tokio::time::sleep_until(deadline) => true,
+            () = &mut expired => true,
             () = place.turn() => false,
-            _ = poll.tick(), if global => {
+            _ = async { poll.as_mut().expect("guarded").tick().await }, if poll.is_some() => {
                 if !place.is_first() {
                     continue;
                 }

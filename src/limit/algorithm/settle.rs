@@ -157,16 +157,13 @@ pub fn settle_log(l: &SlidingLog, state: &mut LogState, s: Settlement, now: Micr
 /// that window is over its units count no more, and there is nothing to give back.
 pub fn settle_window(f: &FixedWindow, state: &mut WindowState, s: Settlement, now: Micros) {
     let (ws, _) = f.window(now);
-    let counted = if state.start == ws { state.count } else { 0 };
-    let units = s.delta.unsigned_abs();
-    let count = if s.delta > 0 {
-        counted.saturating_add(units)
-    } else if s.delta < 0 && s.at >= ws && counted > 0 {
-        counted - units.min(counted)
-    } else {
+    if s.delta < 0 && s.at < ws {
         return;
-    };
-    *state = WindowState { start: ws, count };
+    }
+    let counted = if state.start == ws { state.count } else { 0 };
+    if let Some(count) = moved(counted, s.delta) {
+        *state = WindowState { start: ws, count };
+    }
 }
 
 /// Sliding window: the counters rolled to the window holding `now`, then the one `at` fell in
@@ -176,14 +173,8 @@ pub fn settle_window(f: &FixedWindow, state: &mut WindowState, s: Settlement, no
 /// changes.
 pub fn settle_sliding(w: &SlidingWindow, state: &mut SlidingState, s: Settlement, now: Micros) {
     let period = w.quota().period.max(1);
-    let ws = now - now % period;
-    let (mut prev, mut curr) = if state.start == ws {
-        (state.prev, state.curr)
-    } else if state.start.checked_add(period) == Some(ws) {
-        (state.curr, 0)
-    } else {
-        (0, 0)
-    };
+    let n = w.normalise(state, now);
+    let (ws, mut prev, mut curr) = (n.ws, n.prev, n.curr);
     let admitted_in = s.at - s.at % period;
     let counter = if admitted_in == ws {
         &mut curr
@@ -192,19 +183,26 @@ pub fn settle_sliding(w: &SlidingWindow, state: &mut SlidingState, s: Settlement
     } else {
         return;
     };
-    let units = s.delta.unsigned_abs();
-    if s.delta > 0 {
-        *counter = counter.saturating_add(units);
-    } else if s.delta < 0 && *counter > 0 {
-        *counter -= units.min(*counter);
-    } else {
+    let Some(count) = moved(*counter, s.delta) else {
         return;
-    }
+    };
+    *counter = count;
     *state = SlidingState {
         start: ws,
         curr,
         prev,
     };
+}
+
+/// `count` moved by `delta`: a charge adds, a refund takes away no more than there is. `None`
+/// when nothing changes (no delta, or a refund with nothing left to give back).
+fn moved(count: u64, delta: i64) -> Option<u64> {
+    let units = delta.unsigned_abs();
+    match delta.cmp(&0) {
+        std::cmp::Ordering::Greater => Some(count.saturating_add(units)),
+        std::cmp::Ordering::Less if count > 0 => Some(count - units.min(count)),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

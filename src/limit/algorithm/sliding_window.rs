@@ -33,12 +33,12 @@ pub struct SlidingWindow {
 
 /// The state rolled forward to the window containing `now`.
 #[derive(Clone, Copy, Debug)]
-struct Normalised {
-    ws: Micros,
+pub(super) struct Normalised {
+    pub(super) ws: Micros,
     /// `P - elapsed`: the weight of `prev` in µs, and the time left in this window.
-    to_end: Micros,
-    prev: u64,
-    curr: u64,
+    pub(super) to_end: Micros,
+    pub(super) prev: u64,
+    pub(super) curr: u64,
 }
 
 impl SlidingWindow {
@@ -60,7 +60,7 @@ impl SlidingWindow {
         SlidingState::default()
     }
 
-    fn normalise(&self, state: &SlidingState, now: Micros) -> Normalised {
+    pub(super) fn normalise(&self, state: &SlidingState, now: Micros) -> Normalised {
         let elapsed = now % self.period;
         let ws = now - elapsed;
         let (prev, curr) = if state.start == ws {

@@ -40,10 +40,9 @@ struct Deny {
     /// back to it).
     units: u64,
     until: Micros,
-    /// The last reservation's size, send time and units spent from it: how the next is sized.
+    /// The last reservation's size and send time: with `units`, how the next is sized.
     granted: u64,
     granted_at: Micros,
-    spent: u64,
 }
 
 impl Deny {
@@ -265,8 +264,8 @@ impl DenyCache {
     /// A reserving limit's request of `cost` for `key` under `rate`, at `now`: its units taken
     /// from this instance's reservation when it has them, unspent past its `until`; else what
     /// Redis last said when it refused; else this request reserves (`Lead`, one per key at a
-    /// time; the units a reservation has left that are too few or too late are dropped then),
-    /// or waits for the one that does.
+    /// time; the units a reservation has left that are too few or too late are dropped when
+    /// the new one is learned), or waits for the one that does.
     ///
     /// `ahead` is the rate's `reserve_ahead` now (µs): a reservation is spent no later than
     /// that after its call either. A reload that shortens `reserve_ahead` keeps this tier (and
@@ -298,7 +297,6 @@ impl DenyCache {
                             && now < c.until.min(c.granted_at.saturating_add(ahead)) =>
                     {
                         d.units -= cost;
-                        d.spent += cost;
                         take = Take::Spent(
                             Snapshot {
                                 remaining: d.units.saturating_add(d.remaining),
@@ -324,12 +322,11 @@ impl DenyCache {
                         };
                         let sizing = crate::limit::reserve::Sizing {
                             granted: base.granted,
-                            spent: base.spent,
+                            spent: base.granted.saturating_sub(base.units),
                             elapsed: now.saturating_sub(base.granted_at),
                         };
                         *d = Deny {
                             probing: true,
-                            units: 0,
                             rate,
                             ..base
                         };
@@ -380,7 +377,6 @@ impl DenyCache {
                     until,
                     granted: units,
                     granted_at: sent,
-                    spent: cost.min(units),
                 };
                 d.expires_at()
             },
@@ -409,7 +405,6 @@ impl DenyCache {
             Deny::default,
             |d, _| {
                 d.units += units;
-                d.spent = d.spent.saturating_sub(units);
                 d.expires_at()
             },
             any_first,

@@ -268,23 +268,33 @@ async fn handle(req: Request<Incoming>, name: &'static str) -> Result<Response<B
     Ok(r)
 }
 
+/// Reads from `s` until a request head's end (`CRLF CRLF`) has arrived: what was read, or
+/// `None` when the connection ends first.
+async fn read_head(s: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return None,
+        }
+    }
+    Some(buf)
+}
+
 /// A hand-written upstream for answers hyper would not give: for every connection it reads a
 /// request head, writes `parts` one after the other 20 ms apart, and closes. Returns its URL.
 pub async fn raw(parts: &'static [&'static [u8]]) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         loop {
             let (mut s, _) = listener.accept().await.unwrap();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
+                if read_head(&mut s).await.is_none() {
+                    return;
                 }
                 for (i, part) in parts.iter().enumerate() {
                     if i > 0 {
@@ -304,7 +314,7 @@ pub async fn raw(parts: &'static [&'static [u8]]) -> String {
 /// `x-usage: N` (N from the request's `?n=N`), and closes. So a test can hold a response open
 /// past its admission and decide when its cost settles. Returns its URL.
 pub async fn trailer_on_release() -> (String, Arc<tokio::sync::Semaphore>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let release = Arc::new(tokio::sync::Semaphore::new(0));
@@ -314,14 +324,9 @@ pub async fn trailer_on_release() -> (String, Arc<tokio::sync::Semaphore>) {
             let (mut s, _) = listener.accept().await.unwrap();
             let permits = Arc::clone(&permits);
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
-                }
+                let Some(buf) = read_head(&mut s).await else {
+                    return;
+                };
                 let head = String::from_utf8_lossy(&buf).into_owned();
                 let n: String = head
                     .split_once("n=")

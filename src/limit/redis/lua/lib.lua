@@ -101,6 +101,18 @@ local function window(period, now)
   return now - into, period - into
 end
 
+-- A settled count: `c` moved by delta, a charge adding, a refund taking away no more than
+-- there is; nil when nothing changes (no delta, or a refund with nothing to give back).
+-- Mirrors settle.rs's `moved`.
+local function moved(c, delta)
+  if delta > 0 then
+    return c + delta
+  elseif delta < 0 and c > 0 then
+    return math.max(0, c + delta)
+  end
+  return nil
+end
+
 -- Each algorithm: load(l) -> state; check(l, s, now) -> admitted, remaining, reset_after,
 -- retry_after_or_delay; commit(l, s, now, floor_ms) writes what check decided;
 -- peek(l, s, now) -> remaining, reset_after; refund(l, at, now, floor_ms) undoes one commit
@@ -291,12 +303,11 @@ BUILD[2] = function(code)
     settle = function(l, at, delta, now, floor_ms)
       local s = alg.load(l)
       local ws, to_end = window_of(l, s, now)
-      local c = (s.start == ws) and s.count or 0
-      if delta > 0 then
-        c = c + delta
-      elseif delta < 0 and at >= ws and c > 0 then
-        c = math.max(0, c + delta)
-      else
+      if delta < 0 and at < ws then
+        return 0
+      end
+      local c = moved((s.start == ws) and s.count or 0, delta)
+      if c == nil then
         return 0
       end
       if c == 0 then
@@ -392,6 +403,23 @@ BUILD[3] = function()
     return 0
   end
 
+  -- Writes the counters of window `ws` (`curr` in it, `prev` in the one before), with the key
+  -- expiring once neither counts any more; deletes the key when that is already so.
+  local function sw_store(l, period, ws, curr, prev, now, floor_ms)
+    local full_at = 0
+    if curr > 0 then
+      full_at = ws + 2 * period
+    elseif prev > 0 then
+      full_at = ws + period
+    end
+    if full_at <= now then
+      redis.call('DEL', l.keys[1])
+      return
+    end
+    redis.call('HSET', l.keys[1], 's', fmt(ws), 'c', fmt(curr), 'p', fmt(prev))
+    expire(l.keys, full_at, now, floor_ms)
+  end
+
   -- The smallest d >= 1 at which the same request is admitted if nothing else is.
   local function sw_retry_after(l, s, n)
     local a = l.count - n.curr - l.cost
@@ -427,19 +455,7 @@ BUILD[3] = function()
     end,
     commit = function(l, s, now, floor_ms)
       local n = s.n or sw_normalise(l, s, now)
-      local curr = n.curr + l.cost
-      local full_at = 0
-      if curr > 0 then
-        full_at = n.ws + 2 * s.period
-      elseif n.prev > 0 then
-        full_at = n.ws + s.period
-      end
-      if full_at <= now then
-        redis.call('DEL', l.keys[1])
-        return
-      end
-      redis.call('HSET', l.keys[1], 's', fmt(n.ws), 'c', fmt(curr), 'p', fmt(n.prev))
-      expire(l.keys, full_at, now, floor_ms)
+      sw_store(l, s.period, n.ws, n.curr + l.cost, n.prev, now, floor_ms)
     end,
     peek = function(l, s, now)
       local n = sw_normalise(l, s, now)
@@ -457,18 +473,7 @@ BUILD[3] = function()
       else
         return 0
       end
-      local full_at = 0
-      if s.curr > 0 then
-        full_at = s.start + 2 * s.period
-      elseif s.prev > 0 then
-        full_at = s.start + s.period
-      end
-      if full_at <= now then
-        redis.call('DEL', l.keys[1])
-      else
-        redis.call('HSET', l.keys[1], 'c', fmt(s.curr), 'p', fmt(s.prev))
-        expire(l.keys, full_at, now, floor_ms)
-      end
+      sw_store(l, s.period, s.start, s.curr, s.prev, now, floor_ms)
       return 1
     end,
     -- The counters rolled to `now`'s window, then the one holding `at` moves by delta: curr
@@ -479,45 +484,20 @@ BUILD[3] = function()
         return 0
       end
       local s = ALG[3].load(l)
-      local ws = window(s.period, now)
-      local prev, curr = 0, 0
-      if s.start == ws then
-        prev, curr = s.prev, s.curr
-      elseif s.start + s.period == ws then
-        prev, curr = s.curr, 0
-      end
+      local n = sw_normalise(l, s, now)
+      local curr, prev = n.curr, n.prev
       local admitted_in = window(s.period, at)
-      if admitted_in == ws then
-        if delta > 0 then
-          curr = curr + delta
-        elseif curr > 0 then
-          curr = math.max(0, curr + delta)
-        else
-          return 0
-        end
-      elseif admitted_in + s.period == ws then
-        if delta > 0 then
-          prev = prev + delta
-        elseif prev > 0 then
-          prev = math.max(0, prev + delta)
-        else
-          return 0
-        end
+      if admitted_in == n.ws then
+        curr = moved(curr, delta)
+      elseif admitted_in + s.period == n.ws then
+        prev = moved(prev, delta)
       else
         return 0
       end
-      local full_at = 0
-      if curr > 0 then
-        full_at = ws + 2 * s.period
-      elseif prev > 0 then
-        full_at = ws + s.period
+      if curr == nil or prev == nil then
+        return 0
       end
-      if full_at <= now then
-        redis.call('DEL', l.keys[1])
-        return 1
-      end
-      redis.call('HSET', l.keys[1], 's', fmt(ws), 'c', fmt(curr), 'p', fmt(prev))
-      expire(l.keys, full_at, now, floor_ms)
+      sw_store(l, s.period, n.ws, curr, prev, now, floor_ms)
       return 1
     end,
   }
