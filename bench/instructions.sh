@@ -29,8 +29,9 @@
 # under `valgrind --tool=callgrind` (one runtime thread), wrk -t1 -c8 warms it up, the counts
 # are zeroed, wrk runs DURATION seconds, the counts are dumped; instructions / requests wrk
 # completed. The upstream is an nginx worker as in bench/load.sh. Needs valgrind, nginx, wrk.
-# TARGETS picks them (default "proxy admit reject"); `global-admit` and `global-cold` (load.sh's
-# strict global targets: one hot key, or a new key per request through bench/load/cold.lua)
+# TARGETS picks them (default "proxy admit reject"); `global-admit`, `global-reserved` and
+# `global-cold` (load.sh's strict global targets: one hot key, the same with reserve_ahead, or a
+# new key per request through bench/load/cold.lua)
 # also start a redis-server (no persistence), and count tollgate's side of Redis: building the
 # call, the client, decoding, the batcher; the TLS and HTTP/2 ones, proxy's config
 # over a certificate made here (ECDSA P-256) as bench/tls.sh's: https (wrk, keep-alive), new
@@ -79,6 +80,7 @@ if [[ " $TARGETS " == *" global-"* ]]; then
     REDIS_PORT=$(free_port)
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$TMP" >"$TMP/redis.log" 2>&1 & PIDS+=($!)
     for _ in $(seq 100); do [[ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]] && break; sleep 0.1; done
+    [[ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]] || { echo "instructions.sh: redis-server did not answer PING: $(tail -3 "$TMP/redis.log")" >&2; exit 2; }
 fi
 
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
@@ -120,5 +122,6 @@ for name in $TARGETS; do
     # wrk: "N requests in"; h2load: "requests: T total, S started, D done, N succeeded".
     reqs=$(awk '/requests in/ {print $1} /^requests:/ {print $8}' <<<"$out")
     ir=$(awk '/^totals:/ {print $2}' "$TMP/$name.$vg.1")
+    (( ${reqs:-0} > 0 )) || { echo "instructions.sh: $name completed no request; see $TMP/$name.log" >&2; exit 2; }
     printf '%-16s %10d %14.0f\n' "$name" "$reqs" "$(python3 -c "print($ir / $reqs)")"
 done

@@ -693,8 +693,8 @@ main() {
         ALL[$t]="$(awk -F'\t' -v t="$t" '$2 == t { printf "%s%.0f", sep, $3; sep = " " }' "$results")"
     done
     # tollgate_redis_errors_total by kind at the end (warm-up included).
-    local errs_admit="" errs_hot="" errs_cold=""
-    if (( REDIS )); then errs_admit="$(tg_redis_errors tg-global-admit)"; errs_hot="$(tg_redis_errors tg-global-hot)"; errs_cold="$(tg_redis_errors tg-global-cold)"; fi
+    local errs_admit="" errs_hot="" errs_cold="" errs_reserved=""
+    if (( REDIS )); then errs_admit="$(tg_redis_errors tg-global-admit)"; errs_hot="$(tg_redis_errors tg-global-hot)"; errs_cold="$(tg_redis_errors tg-global-cold)"; errs_reserved="$(tg_redis_errors tg-global-reserved)"; fi
 
     local commit dirty=""
     commit="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -760,7 +760,8 @@ main() {
     local failed=0 unsound=0
     ratio() {  # ratio LABEL NUM DEN OP GOAL (OP "-": no goal, the figure is information)
         local v res
-        v="$(awk -v n="$2" -v d="$3" 'BEGIN { if (d == 0) print "nan"; else printf "%.3f", n / d }')"
+        # Five decimals below 0.01 (a reserved hot key's calls per request), else three.
+        v="$(awk -v n="$2" -v d="$3" 'BEGIN { if (d == 0) print "nan"; else if (n / d < 0.01) printf "%.5f", n / d; else printf "%.3f", n / d }')"
         if [[ "$4" == - ]]; then
             printf '%-48s %7s   (no goal)\n' "$1" "$v"
             return 0
@@ -817,8 +818,8 @@ main() {
         # Redis cores per million admitted requests/s: redis-server's CPU share over the rate.
         echo "redis     : redis-server CPU per admitted request: global admit (hot key) $(us "${RDS[tg-global-admit]}" "${RPS[tg-global-admit]}") us, global reserved $(us "${RDS[tg-global-reserved]}" "${RPS[tg-global-reserved]}") us, global cold $(us "${RDS[tg-global-cold]}" "${RPS[tg-global-cold]}") us"
         echo "            = Redis cores per million admitted requests/s: hot $(awk -v p="${RDS[tg-global-admit]}" -v r="${RPS[tg-global-admit]}" 'BEGIN { printf "%.2f", (r > 0 ? p / 100 / r * 1e6 : 0) }'), hot reserved $(awk -v p="${RDS[tg-global-reserved]}" -v r="${RPS[tg-global-reserved]}" 'BEGIN { printf "%.3f", (r > 0 ? p / 100 / r * 1e6 : 0) }') (whole-percent CPU readings: 0 means under 1 %), cold $(awk -v p="${RDS[tg-global-cold]}" -v r="${RPS[tg-global-cold]}" 'BEGIN { printf "%.2f", (r > 0 ? p / 100 / r * 1e6 : 0) }') (wall-clock CPU, socket work included)"
-        echo "redis     : tollgate_redis_errors_total at the end (warm-up included): global admit: $errs_admit; global cold: $errs_cold; global hot: $errs_hot"
-        echo "redis     : redis-server CPU (rds%): global admit ${RDS[tg-global-admit]}%, redis-bench ${RDS[rb-evalsha]}% / -P16 ${RDS[rb-evalsha-p16]}%; tollgate (srv%) in global admit ${SRV[tg-global-admit]}%, in admit ${SRV[tg-admit]}%"
+        echo "redis     : tollgate_redis_errors_total at the end (warm-up included): global admit: $errs_admit; global reserved: $errs_reserved; global cold: $errs_cold; global hot: $errs_hot"
+        echo "redis     : redis-server CPU (rds%): global admit ${RDS[tg-global-admit]}%, global reserved ${RDS[tg-global-reserved]}%, redis-bench ${RDS[rb-evalsha]}% / -P16 ${RDS[rb-evalsha-p16]}%; tollgate (srv%) in global admit ${SRV[tg-global-admit]}%, in admit ${SRV[tg-admit]}%"
         echo
     fi
 
